@@ -1,0 +1,38 @@
+"""Load local Hugging Face model and tokenizer folders, with errors that say what is missing."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from spectune.errors import SpectuneError
+
+
+def check_model_dir(path: str | Path, need_weights: bool = True) -> Path:
+    path = Path(path)
+    if not path.is_dir():
+        raise SpectuneError(f"{path}: no such model folder")
+    if not (path / "config.json").is_file():
+        raise SpectuneError(f"{path}: not a Hugging Face model folder (no config.json)")
+    if need_weights and not any(path.glob("*.safetensors")) and not any(path.glob("*.bin")):
+        raise SpectuneError(f"{path}: no weights (*.safetensors or *.bin)")
+    return path
+
+
+def load_tokenizer(path: str | Path, chat_template: str | Path | None = None) -> Any:
+    """A local tokenizer; `chat_template` (a Jinja file) replaces or supplies the chat template."""
+    from transformers import AutoTokenizer
+
+    path = Path(path)
+    if not path.is_dir():
+        raise SpectuneError(f"{path}: no such tokenizer folder")
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+    except (OSError, ValueError) as exc:
+        raise SpectuneError(f"{path}: cannot load a tokenizer: {exc}") from exc
+    if chat_template is not None:
+        template_path = Path(chat_template)
+        if not template_path.is_file():
+            raise SpectuneError(f"{template_path}: no such chat template file")
+        tokenizer.chat_template = template_path.read_text(encoding="utf-8")
+    return tokenizer

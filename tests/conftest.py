@@ -1,0 +1,31 @@
+"""Shared fixtures. Tests run with 1 thread (torch and llama.cpp): set before anything imports torch."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("SPECTUNE_THREADS", "1")
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+SGD_DIR = Path(__file__).resolve().parents[2] / "shared" / "data" / "sgd"
+
+
+@pytest.fixture(scope="session")
+def sgd_dev() -> Path:
+    path = SGD_DIR / "dev.jsonl"
+    assert path.is_file(), f"the SGD dev set must be present beside the repo at {path}"
+    return path
+
+
+def run_cli(*args: str) -> int:
+    """Run the real entry point in-process; returns its exit code."""
+    from spectune.cli import main
+
+    try:
+        main(list(args))
+    except SystemExit as exc:
+        return int(exc.code or 0)
+    return 0
