@@ -1,0 +1,1 @@
+"""Export: HF models to GGUF with llama.cpp's own converter, quantization through libllama, pair checks."""

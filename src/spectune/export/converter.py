@@ -1,0 +1,116 @@
+"""llama.cpp's HF -> GGUF converter, from the source distribution of the pinned llama-cpp-python.
+
+The converter (`convert_hf_to_gguf.py`, its `conversion/` package and the matching `gguf-py`) ships in the sdist,
+not in the wheel, and differs from PyPI's `gguf`. At first use it is fetched through pip, unpacked into the user
+cache (keyed by version) and run in a subprocess; none of its code lives in this repository.
+Set SPECTUNE_LLAMA_CPP_SRC to a llama.cpp source folder to use that instead (air-gapped machines).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tarfile
+import tempfile
+from importlib.metadata import version
+from pathlib import Path
+
+from spectune.atomic import atomic_path
+from spectune.errors import SpectuneError
+
+PARTS = ("convert_hf_to_gguf.py", "conversion/", "gguf-py/")
+
+
+def cache_root() -> Path:
+    from platformdirs import user_cache_dir
+
+    return Path(os.environ.get("SPECTUNE_CACHE") or user_cache_dir("spectune"))
+
+
+def llama_cpp_version() -> str:
+    return version("llama-cpp-python")
+
+
+def _unpack(sdist: Path, out: Path) -> None:
+    with tarfile.open(sdist) as archive:
+        for member in archive.getmembers():
+            parts = member.name.split("/", 3)  # <pkg>/vendor/llama.cpp/<path>
+            if len(parts) < 4 or parts[1:3] != ["vendor", "llama.cpp"]:
+                continue
+            relative = parts[3]
+            if not any(relative == p or relative.startswith(p) for p in PARTS) or not member.isfile():
+                continue
+            target = out / relative
+            target.parent.mkdir(parents=True, exist_ok=True)
+            source = archive.extractfile(member)
+            assert source is not None
+            target.write_bytes(source.read())
+
+
+def converter_dir() -> Path:
+    """The folder holding convert_hf_to_gguf.py, fetched and cached on first use."""
+    override = os.environ.get("SPECTUNE_LLAMA_CPP_SRC")
+    if override:
+        folder = Path(override)
+        if not (folder / "convert_hf_to_gguf.py").is_file():
+            raise SpectuneError(f"SPECTUNE_LLAMA_CPP_SRC={folder}: no convert_hf_to_gguf.py there")
+        return folder
+    pinned = llama_cpp_version()
+    folder = cache_root() / "llama.cpp-converter" / pinned
+    if (folder / "convert_hf_to_gguf.py").is_file():
+        return folder
+    with tempfile.TemporaryDirectory() as download:
+        command = [
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            "--no-binary",
+            ":all:",
+            "--no-deps",
+            "-q",
+            f"llama-cpp-python=={pinned}",
+            "-d",
+            download,
+        ]
+        result = subprocess.run(command, capture_output=True, text=True)
+        sdists = list(Path(download).glob("llama_cpp_python-*.tar.gz"))
+        if result.returncode != 0 or not sdists:
+            raise SpectuneError(
+                f"could not fetch llama-cpp-python=={pinned}'s source (for llama.cpp's converter) through pip:\n"
+                f"{result.stderr.strip()[-800:]}\nSet SPECTUNE_LLAMA_CPP_SRC to a llama.cpp source folder instead."
+            )
+        with atomic_path(folder) as tmp:
+            _unpack(sdists[0], tmp)
+    return folder
+
+
+def declared_pre_tokenizer(model_dir: Path) -> str | None:
+    """The pre-tokenizer a spectune-made tokenizer declares (see models/tokenizer.py), else None."""
+    config = model_dir / "tokenizer_config.json"
+    if not config.is_file():
+        return None
+    return json.loads(config.read_text(encoding="utf-8")).get("spectune_pre_tokenizer")
+
+
+def run_converter(model_dir: Path, out_file: Path, outtype: str) -> None:
+    """Run convert_hf_to_gguf.py in a subprocess, writing `out_file` (the caller makes that atomic)."""
+    folder = converter_dir()
+    command = [
+        sys.executable,
+        "-m",
+        "spectune.export._run_converter",
+        str(folder),
+        declared_pre_tokenizer(model_dir) or "",
+        str(model_dir),
+        "--outfile",
+        str(out_file),
+        "--outtype",
+        outtype,
+    ]
+    result = subprocess.run(command, capture_output=True, text=True)
+    if result.returncode != 0:
+        tail = "\n".join(result.stderr.strip().splitlines()[-12:])
+        raise SpectuneError(f"llama.cpp's converter failed on {model_dir}:\n{tail}")

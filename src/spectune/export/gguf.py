@@ -1,0 +1,70 @@
+"""HF folder -> GGUF (llama.cpp's converter) -> quantized GGUF (libllama's llama_model_quantize).
+
+Both steps write under a temporary name and rename when complete: an interrupted export leaves no .gguf
+under the final name.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from spectune.atomic import atomic_path
+from spectune.errors import SpectuneError
+from spectune.export.converter import run_converter
+
+# What the converter writes directly.
+CONVERTER_TYPES = {"F32": "f32", "F16": "f16", "BF16": "bf16", "Q8_0": "q8_0"}
+# llama_ftype values of libllama (include/llama.h) for what quantization produces.
+QUANT_FTYPES = {"F32": 0, "F16": 1, "Q4_0": 2, "Q8_0": 7, "Q4_K_S": 14, "Q4_K_M": 15, "Q5_K_M": 17, "Q6_K": 18}
+
+
+def check_quant(quant: str) -> str:
+    name = quant.upper()
+    if name not in QUANT_FTYPES and name not in CONVERTER_TYPES:
+        known = sorted(set(QUANT_FTYPES) | set(CONVERTER_TYPES))
+        raise SpectuneError(f"unknown quant type {quant!r}: choose one of {', '.join(known)}")
+    return name
+
+
+def convert(model_dir: str | Path, out_file: str | Path, outtype: str = "F16") -> Path:
+    """Convert an HF model folder to a GGUF file of `outtype` (F32, F16, BF16 or Q8_0)."""
+    outtype = check_quant(outtype)
+    if outtype not in CONVERTER_TYPES:
+        raise SpectuneError(f"the converter writes {', '.join(CONVERTER_TYPES)}; {outtype} needs quantize()")
+    out_file = Path(out_file)
+    with atomic_path(out_file) as tmp:
+        run_converter(Path(model_dir), tmp, CONVERTER_TYPES[outtype])
+    return out_file
+
+
+def quantize(in_file: str | Path, out_file: str | Path, quant: str = "Q4_K_M", threads: int | None = None) -> Path:
+    """Quantize a GGUF with libllama (no llama.cpp binary needed)."""
+    import llama_cpp
+
+    from spectune.threads import thread_count
+
+    quant = check_quant(quant)
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = QUANT_FTYPES[quant]
+    params.nthread = thread_count(threads)
+    out_file = Path(out_file)
+    with atomic_path(out_file) as tmp:
+        status = llama_cpp.llama_model_quantize(str(in_file).encode(), str(tmp).encode(), params)
+        if status != 0:
+            raise SpectuneError(f"llama_model_quantize failed on {in_file} -> {quant} (status {status})")
+    return out_file
+
+
+def export_model(model_dir: str | Path, out_file: str | Path, quant: str = "Q4_K_M", keep_f16: bool = False) -> Path:
+    """HF folder -> GGUF of `quant`, through an F16 (F32 for tiny widths) intermediate when quantizing."""
+    quant = check_quant(quant)
+    out_file = Path(out_file)
+    if quant in CONVERTER_TYPES:
+        return convert(model_dir, out_file, quant)
+    intermediate = out_file.with_name(out_file.stem + ".f16.gguf")
+    convert(model_dir, intermediate, "F16")
+    try:
+        return quantize(intermediate, out_file, quant)
+    finally:
+        if not keep_f16:
+            intermediate.unlink(missing_ok=True)

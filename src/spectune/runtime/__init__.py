@@ -1,0 +1,1 @@
+"""Runtime: llama.cpp models and the speculative draft -> verify loop."""

@@ -1,0 +1,140 @@
+"""A thin wrapper over llama.cpp's low-level API (through llama-cpp-python): load a GGUF, tokenize,
+decode a batch of tokens at given positions, read logits, and roll the KV cache back.
+
+`exact=True` makes batched logits bit-identical to one-token logits on the CPU backend: no weight repacking
+(`use_extra_bufts = False`, llama.cpp's --no-repack) and no tiled K-quant matmul (GGML_CPU_TILED_MM=0), so
+speculative greedy output equals plain greedy output at 4 bits. It costs 8–29% per token (see DESIGN.md).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import weakref
+from pathlib import Path
+
+import numpy as np
+
+from spectune.errors import SpectuneError
+from spectune.threads import thread_count
+
+_backend_ready = False
+
+
+def _init_backend(exact: bool) -> None:
+    global _backend_ready
+    import llama_cpp
+
+    if exact:
+        os.environ["GGML_CPU_TILED_MM"] = "0"  # read by ggml when a matmul is first planned
+    if not _backend_ready:
+        llama_cpp.llama_backend_init()
+        _silence = llama_cpp.llama_log_callback(lambda level, text, data: None)
+        llama_cpp.llama_log_set(_silence, ctypes.c_void_p())
+        _init_backend.callback = _silence  # keep the callback alive
+        _backend_ready = True
+
+
+def _free(lib, batch, ctx, model) -> None:
+    lib.llama_batch_free(batch)
+    lib.llama_free(ctx)
+    lib.llama_model_free(model)
+
+
+class LlamaModel:
+    """One GGUF model with one context (one sequence)."""
+
+    def __init__(
+        self, path: str | Path, n_ctx: int = 2048, threads: int | None = None, exact: bool = True, n_batch: int = 512
+    ) -> None:
+        import llama_cpp
+
+        self.path = Path(path)
+        if not self.path.is_file():
+            raise SpectuneError(f"{self.path}: no such GGUF file")
+        _init_backend(exact)
+        self.lib = llama_cpp
+        self.exact = exact
+        model_params = llama_cpp.llama_model_default_params()
+        model_params.use_extra_bufts = not exact
+        self.model = llama_cpp.llama_model_load_from_file(str(self.path).encode(), model_params)
+        if not self.model:
+            raise SpectuneError(f"{self.path}: llama.cpp could not load this GGUF")
+        self.vocab = llama_cpp.llama_model_get_vocab(self.model)
+        self.n_vocab = llama_cpp.llama_vocab_n_tokens(self.vocab)
+        self.threads = thread_count(threads)
+        context_params = llama_cpp.llama_context_default_params()
+        context_params.n_ctx = n_ctx
+        context_params.n_batch = n_batch
+        context_params.n_ubatch = n_batch
+        # Both set explicitly: the default batch thread count stalled ~0.5 s per batch on 2 cores.
+        context_params.n_threads = self.threads
+        context_params.n_threads_batch = self.threads
+        self.ctx = llama_cpp.llama_init_from_model(self.model, context_params)
+        if not self.ctx:
+            raise SpectuneError(f"{self.path}: llama.cpp could not create a context of {n_ctx} tokens")
+        self.n_ctx = llama_cpp.llama_n_ctx(self.ctx)
+        self.n_batch = n_batch
+        self.batch = llama_cpp.llama_batch_init(n_batch, 0, 1)
+        self.memory = llama_cpp.llama_get_memory(self.ctx)
+
+        # finalize (not __del__) runs before interpreter shutdown tears the bindings down.
+        self._finalizer = weakref.finalize(self, _free, llama_cpp, self.batch, self.ctx, self.model)
+
+    def close(self) -> None:
+        self._finalizer()
+
+    def metadata(self, key: str) -> str | None:
+        buffer = ctypes.create_string_buffer(4096)
+        length = self.lib.llama_model_meta_val_str(self.model, key.encode(), buffer, len(buffer))
+        return buffer.value.decode("utf-8") if length >= 0 else None
+
+    def tokenize(self, text: str, special: bool = True) -> list[int]:
+        """Tokens of `text`; `special` parses control tokens such as <|im_start|> (as HF does)."""
+        data = text.encode("utf-8")
+        capacity = len(data) + 8
+        tokens = (self.lib.llama_token * capacity)()
+        count = self.lib.llama_tokenize(self.vocab, data, len(data), tokens, capacity, False, special)
+        if count < 0:
+            raise SpectuneError(f"tokenization needs {-count} tokens, more than {capacity}")
+        return list(tokens[:count])
+
+    def piece(self, token: int) -> bytes:
+        buffer = ctypes.create_string_buffer(256)
+        length = self.lib.llama_token_to_piece(self.vocab, token, buffer, len(buffer), 0, True)
+        return buffer.raw[: max(length, 0)]
+
+    def detokenize(self, tokens: list[int]) -> str:
+        return b"".join(self.piece(t) for t in tokens).decode("utf-8", errors="replace")
+
+    def is_end(self, token: int) -> bool:
+        return bool(self.lib.llama_vocab_is_eog(self.vocab, token))
+
+    def decode(self, tokens: list[int], start: int, all_logits: bool = True) -> np.ndarray:
+        """Decode `tokens` at positions start.. and return logits (rows: every token, or only the last)."""
+        if start + len(tokens) > self.n_ctx:
+            raise SpectuneError(f"context full: {start + len(tokens)} tokens > n_ctx {self.n_ctx}")
+        rows = []
+        for offset in range(0, len(tokens), self.n_batch):
+            chunk = tokens[offset : offset + self.n_batch]
+            last_chunk = offset + self.n_batch >= len(tokens)
+            batch = self.batch
+            batch.n_tokens = len(chunk)
+            for i, token in enumerate(chunk):
+                batch.token[i] = token
+                batch.pos[i] = start + offset + i
+                batch.n_seq_id[i] = 1
+                batch.seq_id[i][0] = 0
+                batch.logits[i] = all_logits or (last_chunk and i == len(chunk) - 1)
+            status = self.lib.llama_decode(self.ctx, batch)
+            if status != 0:
+                raise SpectuneError(f"llama_decode failed (status {status}) at position {start + offset}")
+            wanted = range(len(chunk)) if all_logits else ([len(chunk) - 1] if last_chunk else [])
+            for i in wanted:
+                pointer = self.lib.llama_get_logits_ith(self.ctx, i)
+                rows.append(np.ctypeslib.as_array(pointer, shape=(self.n_vocab,)).copy())
+        return np.stack(rows)
+
+    def truncate(self, length: int) -> None:
+        """Forget every cached position >= `length` (roll back rejected draft tokens)."""
+        self.lib.llama_memory_seq_rm(self.memory, 0, length, -1)
