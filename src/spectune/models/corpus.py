@@ -9,8 +9,8 @@ from __future__ import annotations
 import random
 from collections.abc import Callable
 
-PEOPLE = ["Ada", "Bruno", "Chloe", "Dmitri", "Esther", "Fatima", "Gustav", "Helga", "Ines", "Jonas", "Kwame", "Lucia", "Malik", "Nora", "Otto", "Priya"]
-PLACES = ["market", "library", "harbour", "forest", "station", "museum", "garden", "bakery", "village", "mountain", "river", "school"]
+PEOPLE = "Ada Bruno Chloe Dmitri Esther Fatima Gustav Helga Ines Jonas Kwame Lucia Malik Nora Otto Priya".split()
+PLACES = "market library harbour forest station museum garden bakery village mountain river school".split()
 ANIMALS = {
     "fox": ("mammal", "forests"),
     "heron": ("bird", "wetlands"),
@@ -23,9 +23,9 @@ ANIMALS = {
     "beetle": ("insect", "meadows"),
     "penguin": ("bird", "cold coasts"),
 }
-FOODS = ["bread", "apples", "cheese", "soup", "rice", "lentils", "pears", "noodles", "honey", "carrots", "olives", "tomatoes"]
-ADJECTIVES = ["quiet", "bright", "old", "narrow", "busy", "cold", "warm", "green", "tall", "small", "golden", "dusty"]
-VERBS = ["found", "painted", "carried", "opened", "counted", "followed", "repaired", "planted", "watched", "measured"]
+FOODS = "bread apples cheese soup rice lentils pears noodles honey carrots olives tomatoes".split()
+ADJECTIVES = "quiet bright old narrow busy cold warm green tall small golden dusty".split()
+VERBS = "found painted carried opened counted followed repaired planted watched measured".split()
 OBJECTS = ["a map", "lantern", "letter", "clock", "bicycle", "basket", "kite", "compass", "violin", "notebook"]
 GREETINGS = (
     "Bonjour, ça va très bien, merci !",

@@ -183,9 +183,9 @@ def build_pair(size: str, models_dir: Path | None = None, force: bool = False) -
         raise SpectuneError(f"unknown size {size!r}: choose one of {', '.join(RECIPES)}")
     recipe = RECIPES[size]
     folder = pair_dir(size, models_dir)
-    if not force and (folder / "manifest.json").is_file():
-        if read_manifest(folder).get("recipe_hash") == recipe.digest():
-            return folder
+    manifest_file = folder / "manifest.json"
+    if not force and manifest_file.is_file() and read_manifest(folder).get("recipe_hash") == recipe.digest():
+        return folder
     from spectune.models.tokenizer import save_tokenizer
     from spectune.threads import configure_torch_threads
 
