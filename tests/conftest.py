@@ -29,3 +29,11 @@ def run_cli(*args: str) -> int:
     except SystemExit as exc:
         return int(exc.code or 0)
     return 0
+
+
+@pytest.fixture(scope="session")
+def micro_pair(tmp_path_factory) -> Path:
+    """The micro demo pair, built once per test session (under a minute with 1 thread)."""
+    from spectune.models.world import build_pair
+
+    return build_pair("micro", tmp_path_factory.mktemp("models"))

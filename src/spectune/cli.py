@@ -22,6 +22,8 @@ app = typer.Typer(
 )
 data_app = typer.Typer(help="Read, check, split and inspect chat datasets; make demo data.", no_args_is_help=True)
 app.add_typer(data_app, name="data")
+models_app = typer.Typer(help="The demo world: offline tokenizer and generic target/draft base pairs.", no_args_is_help=True)
+app.add_typer(models_app, name="models")
 
 DataFile = Annotated[
     Path, typer.Argument(help="Chat JSONL (OpenAI messages, ShareGPT or Alpaca) or a save_to_disk folder.")
@@ -170,6 +172,70 @@ def data_demo(
 
     count = write_jsonl(generate_dialogues(n, seed), out)
     console.print(f"{count} dialogues -> {out}")
+
+
+ModelsDirOpt = Annotated[Path | None, typer.Option(help="Models directory (default: the user cache).")]
+
+
+@models_app.command("list")
+def models_list(models_dir: ModelsDirOpt = None) -> None:
+    """The pair sizes, their shapes, and which are built here."""
+    from spectune.models.world import RECIPES, pair_dir, read_manifest
+
+    table = Table(title="demo-world pairs")
+    for column in ("size", "target (hidden x layers)", "draft", "built", "params target / draft", "c (Q4_K_M)"):
+        table.add_column(column)
+    for size, recipe in RECIPES.items():
+        folder = pair_dir(size, models_dir)
+        built = (folder / "manifest.json").is_file()
+        manifest = read_manifest(folder) if built else {}
+        params = f"{manifest['target']['parameters']:,} / {manifest['draft']['parameters']:,}" if built else "-"
+        profile = manifest.get("profile_Q4_K_M", {})
+        table.add_row(
+            size, f"{recipe.target.hidden} x {recipe.target.layers}", f"{recipe.draft.hidden} x {recipe.draft.layers}",
+            str(folder) if built else "no", params, f"{profile['cost_ratio']:.3f}" if profile else "-",
+        )
+    console.print(table)
+
+
+@models_app.command("build")
+def models_build(
+    size: Annotated[str, typer.Argument(help="micro (tests), small (default demo) or medium (the 12B:1B regime).")],
+    models_dir: ModelsDirOpt = None,
+    force: Annotated[bool, typer.Option(help="Rebuild even if the recipe did not change.")] = False,
+    profile: Annotated[bool, typer.Option(help="Export Q4_K_M GGUFs and measure c and r(n) here.")] = True,
+) -> None:
+    """Build a pair (cached by recipe), export it to Q4_K_M and measure its hardware profile."""
+    from spectune.models.world import build_pair, profile_pair, read_manifest
+
+    folder = build_pair(size, models_dir, force=force)
+    manifest = read_manifest(folder)
+    console.print(f"{size} pair: {folder} (built in {manifest['build_seconds']} s)")
+    if profile:
+        _print_profile(profile_pair(folder, force=force))
+
+
+def _print_profile(profile: dict) -> None:
+    ratios = " ".join(f"r({n})={r:.2f}" for n, r in profile["verify_ratio"].items())
+    console.print(
+        f"hardware profile ({profile['quant']}, {profile['threads']} threads, {profile['machine']}): "
+        f"target {profile['target_ms_per_token']:.2f} ms/token, draft {profile['draft_ms_per_token']:.2f} ms/token, "
+        f"c = {profile['cost_ratio']:.3f}\n{ratios}"
+    )
+    if profile["verify_ratio"].get("6", 1.0) > 1.5:
+        console.print(
+            "[yellow]Verification is compute-bound here: 6 tokens cost "
+            f"{profile['verify_ratio']['6']:.1f}x one, so speculative decoding cannot beat plain decoding in "
+            "wall-clock time on this machine. On a GPU decoding is memory-bound (r ≈ 1) and the same draft pays.[/]"
+        )
+
+
+@models_app.command("info")
+def models_info(folder: Annotated[Path, typer.Argument(help="A built pair folder.")]) -> None:
+    """Print a pair's manifest: recipe, parameter counts, sizes, timings, hardware profile."""
+    from spectune.models.world import read_manifest
+
+    console.print_json(json.dumps(read_manifest(folder)))
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -41,8 +41,10 @@ def quantize(in_file: str | Path, out_file: str | Path, quant: str = "Q4_K_M", t
     """Quantize a GGUF with libllama (no llama.cpp binary needed)."""
     import llama_cpp
 
+    from spectune.runtime.llama import init_backend
     from spectune.threads import thread_count
 
+    init_backend()
     quant = check_quant(quant)
     params = llama_cpp.llama_model_quantize_default_params()
     params.ftype = QUANT_FTYPES[quant]

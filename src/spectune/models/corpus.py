@@ -26,7 +26,7 @@ ANIMALS = {
 FOODS = "bread apples cheese soup rice lentils pears noodles honey carrots olives tomatoes".split()
 ADJECTIVES = "quiet bright old narrow busy cold warm green tall small golden dusty".split()
 VERBS = "found painted carried opened counted followed repaired planted watched measured".split()
-OBJECTS = ["a map", "lantern", "letter", "clock", "bicycle", "basket", "kite", "compass", "violin", "notebook"]
+OBJECTS = "map lantern letter clock bicycle basket kite compass violin notebook".split()
 GREETINGS = (
     "Bonjour, ça va très bien, merci !",
     "Guten Morgen! Die Straße ist heute ruhig.",
@@ -57,7 +57,7 @@ def story(rng: random.Random) -> str:
     place = rng.choice(PLACES)
     lines = [
         f"{name} walked to the {rng.choice(ADJECTIVES)} {place} early in the morning.",
-        f"There {name} {rng.choice(VERBS)} {rng.choice(OBJECTS).removeprefix('a ')} that belonged to {other}.",
+        f"There {name} {rng.choice(VERBS)} the {rng.choice(OBJECTS)} that belonged to {other}.",
         f"{other} had been looking for it for {rng.randint(2, 19)} days.",
         f'"Thank you," said {other}, and they shared some {rng.choice(FOODS)} by the {rng.choice(PLACES)}.',
     ]
@@ -115,7 +115,7 @@ def letter(rng: random.Random) -> str:
     writer, reader = rng.sample(PEOPLE, 2)
     return (
         f"Dear {reader},\n\nI hope you are well. The {rng.choice(PLACES)} was {rng.choice(ADJECTIVES)} "
-        f"this year, and I {rng.choice(VERBS)} {rng.choice(OBJECTS)}.\n\nBest wishes,\n{writer}"
+        f"this year, and I {rng.choice(VERBS)} a {rng.choice(OBJECTS)}.\n\nBest wishes,\n{writer}"
     )
 
 

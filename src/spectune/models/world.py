@@ -177,11 +177,15 @@ def pretrain(shape: Shape, recipe: PairRecipe, tokenizer: Any, blocks: Any, labe
     return model, stats
 
 
-def build_pair(size: str, models_dir: Path | None = None, force: bool = False) -> Path:
-    """Build (or find cached) the `size` pair: tokenizer, target/, draft/ and manifest.json."""
-    if size not in RECIPES:
+def build_pair(size: str | PairRecipe, models_dir: Path | None = None, force: bool = False) -> Path:
+    """Build (or find cached) a pair: target/ and draft/ (each with the tokenizer) and manifest.json."""
+    if isinstance(size, PairRecipe):
+        recipe = size
+    elif size in RECIPES:
+        recipe = RECIPES[size]
+    else:
         raise SpectuneError(f"unknown size {size!r}: choose one of {', '.join(RECIPES)}")
-    recipe = RECIPES[size]
+    size = recipe.name
     folder = pair_dir(size, models_dir)
     manifest_file = folder / "manifest.json"
     if not force and manifest_file.is_file() and read_manifest(folder).get("recipe_hash") == recipe.digest():
@@ -211,3 +215,24 @@ def build_pair(size: str, models_dir: Path | None = None, force: bool = False) -
         manifest["build_seconds"] = round(time.perf_counter() - start, 2)
         write_manifest(tmp, manifest)
     return folder
+
+
+def profile_pair(folder: Path, quant: str = "Q4_K_M", force: bool = False) -> dict[str, Any]:
+    """Export both models of a built pair to `quant` GGUFs and record the measured hardware profile."""
+    from spectune.export.gguf import export_model
+    from spectune.runtime.profile import measure_profile
+
+    manifest = read_manifest(folder)
+    key = f"profile_{quant}"
+    if key in manifest and not force:
+        return manifest[key]
+    ggufs = {}
+    for role in ("target", "draft"):
+        ggufs[role] = folder / "gguf" / f"{role}.{quant}.gguf"
+        if force or not ggufs[role].is_file():
+            export_model(folder / role, ggufs[role], quant)
+    profile = measure_profile(ggufs["target"], ggufs["draft"])
+    profile["quant"] = quant
+    manifest[key] = profile
+    write_manifest(folder, manifest)
+    return profile

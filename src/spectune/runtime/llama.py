@@ -21,7 +21,8 @@ from spectune.threads import thread_count
 _backend_ready = False
 
 
-def _init_backend(exact: bool) -> None:
+def init_backend(exact: bool = True) -> None:
+    """Initialise libllama once, with its logging silenced (errors surface as SpectuneError instead)."""
     global _backend_ready
     import llama_cpp
 
@@ -31,7 +32,7 @@ def _init_backend(exact: bool) -> None:
         llama_cpp.llama_backend_init()
         _silence = llama_cpp.llama_log_callback(lambda level, text, data: None)
         llama_cpp.llama_log_set(_silence, ctypes.c_void_p())
-        _init_backend.callback = _silence  # keep the callback alive
+        init_backend.callback = _silence  # keep the callback alive
         _backend_ready = True
 
 
@@ -52,7 +53,7 @@ class LlamaModel:
         self.path = Path(path)
         if not self.path.is_file():
             raise SpectuneError(f"{self.path}: no such GGUF file")
-        _init_backend(exact)
+        init_backend(exact)
         self.lib = llama_cpp
         self.exact = exact
         model_params = llama_cpp.llama_model_default_params()
