@@ -37,3 +37,14 @@ def micro_pair(tmp_path_factory) -> Path:
     from spectune.models.world import build_pair
 
     return build_pair("micro", tmp_path_factory.mktemp("models"))
+
+
+@pytest.fixture(scope="session")
+def demo_data(tmp_path_factory) -> Path:
+    """300 generated voice-bot dialogues."""
+    from spectune.data.demo import generate_dialogues
+    from spectune.data.read import write_jsonl
+
+    path = tmp_path_factory.mktemp("data") / "demo.jsonl"
+    write_jsonl(generate_dialogues(300, seed=0), path)
+    return path

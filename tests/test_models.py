@@ -20,13 +20,39 @@ from spectune.runtime.llama import LlamaModel
 def tokenizer_corpus(n: int, seed: int = 0) -> list[str]:
     """Random strings mixing prose, code, digits, unicode, emoji, whitespace runs and chat markup."""
     rng = random.Random(seed)
-    pieces = [*generate_corpus(200, seed=99), *GREETINGS, *EMOJI, "  ", "\n\n\n", "\t \t", "   x", "1234567890",
-              "3.14159", "1,000,000", "<|im_start|>user\nhi<|im_end|>\n", "<|im_end|>", "<|endoftext|>", "don't",
-              "I'VE", "ＡＢＣ", "e\u0301", "\u200d", "😶\u200d🌫️", "a  b   c", " leading", "trailing  ", "x\r\ny",
-              "€£¥", "ğüşöç", "<|im_start|>assistant\n"]
+    pieces = [
+        *generate_corpus(200, seed=99),
+        *GREETINGS,
+        *EMOJI,
+        "  ",
+        "\n\n\n",
+        "\t \t",
+        "   x",
+        "1234567890",
+        "3.14159",
+        "1,000,000",
+        "<|im_start|>user\nhi<|im_end|>\n",
+        "<|im_end|>",
+        "<|endoftext|>",
+        "don't",
+        "I'VE",
+        "ＡＢＣ",
+        "e\u0301",
+        "\u200d",
+        "😶\u200d🌫️",
+        "a  b   c",
+        " leading",
+        "trailing  ",
+        "x\r\ny",
+        "€£¥",
+        "ğüşöç",
+        "<|im_start|>assistant\n",
+    ]
     separators = ["", " ", "  ", "\n", "\t", "<|im_end|>", "\n\n  "]
-    return ["".join(rng.choice(pieces)[: rng.randint(1, 60)] + rng.choice(separators)
-                    for _ in range(rng.randint(1, 6))) for _ in range(n)]
+    return [
+        "".join(rng.choice(pieces)[: rng.randint(1, 60)] + rng.choice(separators) for _ in range(rng.randint(1, 6)))
+        for _ in range(n)
+    ]
 
 
 @pytest.fixture(scope="session")
@@ -90,12 +116,21 @@ def test_cache_hit_does_not_rebuild(micro_pair):
 
 
 def _digest(folder) -> str:
-    return hashlib.sha256(b"".join((folder / n).read_bytes() for n in ("model.safetensors", "tokenizer.json"))).hexdigest()
+    return hashlib.sha256(
+        b"".join((folder / n).read_bytes() for n in ("model.safetensors", "tokenizer.json"))
+    ).hexdigest()
 
 
 def test_a_pair_builds_deterministically_from_its_seed(tmp_path):
-    tiny = dataclasses.replace(RECIPES["micro"], name="tiny", target=Shape(128, 1, 2, 256, 4),
-                               draft=Shape(128, 1, 2, 256, 3), tokenizer_docs=300, corpus_docs=200, chat_docs=50)
+    tiny = dataclasses.replace(
+        RECIPES["micro"],
+        name="tiny",
+        target=Shape(128, 1, 2, 256, 4),
+        draft=Shape(128, 1, 2, 256, 3),
+        tokenizer_docs=300,
+        corpus_docs=200,
+        chat_docs=50,
+    )
     first = build_pair(tiny, tmp_path / "a")
     second = build_pair(tiny, tmp_path / "b")
     for role in ("target", "draft"):

@@ -22,7 +22,9 @@ app = typer.Typer(
 )
 data_app = typer.Typer(help="Read, check, split and inspect chat datasets; make demo data.", no_args_is_help=True)
 app.add_typer(data_app, name="data")
-models_app = typer.Typer(help="The demo world: offline tokenizer and generic target/draft base pairs.", no_args_is_help=True)
+models_app = typer.Typer(
+    help="The demo world: offline tokenizer and generic target/draft base pairs.", no_args_is_help=True
+)
 app.add_typer(models_app, name="models")
 
 DataFile = Annotated[
@@ -192,8 +194,12 @@ def models_list(models_dir: ModelsDirOpt = None) -> None:
         params = f"{manifest['target']['parameters']:,} / {manifest['draft']['parameters']:,}" if built else "-"
         profile = manifest.get("profile_Q4_K_M", {})
         table.add_row(
-            size, f"{recipe.target.hidden} x {recipe.target.layers}", f"{recipe.draft.hidden} x {recipe.draft.layers}",
-            str(folder) if built else "no", params, f"{profile['cost_ratio']:.3f}" if profile else "-",
+            size,
+            f"{recipe.target.hidden} x {recipe.target.layers}",
+            f"{recipe.draft.hidden} x {recipe.draft.layers}",
+            str(folder) if built else "no",
+            params,
+            f"{profile['cost_ratio']:.3f}" if profile else "-",
         )
     console.print(table)
 
@@ -236,6 +242,105 @@ def models_info(folder: Annotated[Path, typer.Argument(help="A built pair folder
     from spectune.models.world import read_manifest
 
     console.print_json(json.dumps(read_manifest(folder)))
+
+
+ConfigOpt = Annotated[Path | None, typer.Option("--config", help="YAML with these options; flags override it.")]
+
+
+@app.command()
+def finetune(
+    model: Annotated[Path | None, typer.Option(help="Local HF model folder (the target).")] = None,
+    data: Annotated[Path | None, typer.Option(help="Task dataset (chat JSONL or save_to_disk folder).")] = None,
+    out: Annotated[Path | None, typer.Option(help="Output folder: adapter/, checkpoints/, finetune.json.")] = None,
+    config: ConfigOpt = None,
+    eval_data: Annotated[Path | None, typer.Option(help="Held-out dataset (default: a split of --data).")] = None,
+    four_bit: Annotated[bool | None, typer.Option("--4bit/--no-4bit", help="QLoRA (NF4 base) or plain LoRA.")] = None,
+    lora_r: Annotated[int | None, typer.Option(help="LoRA rank.")] = None,
+    lora_alpha: Annotated[int | None, typer.Option(help="LoRA alpha.")] = None,
+    lora_dropout: Annotated[float | None, typer.Option(help="LoRA dropout.")] = None,
+    epochs: Annotated[float | None, typer.Option(help="Epochs over the data.")] = None,
+    max_steps: Annotated[int | None, typer.Option(help="Stop after this many steps (overrides epochs).")] = None,
+    batch_size: Annotated[int | None, typer.Option(help="Dialogues per step.")] = None,
+    lr: Annotated[float | None, typer.Option(help="Learning rate.")] = None,
+    max_tokens: Annotated[int | None, typer.Option(help="Longest sequence; longer dialogues are cut on turns.")] = None,
+    save_steps: Annotated[int | None, typer.Option(help="Checkpoint every N steps.")] = None,
+    chat_template: Annotated[Path | None, typer.Option(help="Jinja chat template file, if the model has none.")] = None,
+    system: SystemOpt = None,
+    seed: Annotated[int | None, typer.Option(help="Seed (data split, init, order).")] = None,
+    resume: Annotated[bool | None, typer.Option("--resume", help="Continue from the last complete checkpoint.")] = None,
+) -> None:
+    """Fine-tune the target with QLoRA (4-bit NF4 base + LoRA adapter) on assistant tokens."""
+    values = {key: value for key, value in locals().items() if key != "config"}
+    from spectune.config import load_config
+    from spectune.train.target import FinetuneConfig
+    from spectune.train.target import finetune as run_finetune
+
+    result = run_finetune(load_config(FinetuneConfig, config, values))
+    console.print(
+        f"eval loss {result.eval_loss_before:.4f} -> {result.eval_loss_after:.4f} | adapter {result.adapter} "
+        f"({result.adapter_bytes / 1e6:.2f} MB) | peak memory {result.peak_memory_bytes / 2**30:.2f} GiB "
+        f"({result.peak_memory_how}) | {result.seconds:.0f} s"
+    )
+
+
+@app.command()
+def merge(
+    base: Annotated[Path, typer.Option(help="The base model folder the adapter was trained on.")],
+    adapter: Annotated[Path, typer.Option(help="The LoRA adapter folder.")],
+    out: Annotated[Path, typer.Option(help="Where to write the merged HF model.")],
+) -> None:
+    """Merge a (Q)LoRA adapter into its base reloaded unquantized; checks merged == base + adapter."""
+    from spectune.train.target import merge as run_merge
+
+    result = run_merge(base, adapter, out)
+    console.print(f"merged -> {result.model} (max logit difference vs base + adapter: {result.max_logit_diff:.1e})")
+
+
+@app.command()
+def plan(
+    model: Annotated[Path, typer.Option(help="A model folder or an HF config.json (no weights needed).")],
+    gpu_mem: Annotated[str, typer.Option(help="Memory to plan for, e.g. 16GiB.")] = "16GiB",
+    seq: Annotated[int, typer.Option(help="Training sequence length.")] = 2048,
+    batch: Annotated[int, typer.Option(help="Training batch size.")] = 1,
+    rank: Annotated[int, typer.Option(help="LoRA rank.")] = 16,
+    context: Annotated[int, typer.Option(help="Inference context (KV cache) in tokens.")] = 8192,
+    json_out: Annotated[Path | None, typer.Option("--json", help="Also write the plan as JSON.")] = None,
+) -> None:
+    """Estimate what QLoRA training and 4-bit inference need, and what fits in --gpu-mem."""
+    from spectune.train.plan import GIB, parse_memory, plan_report, read_shape
+
+    shape = read_shape(model)
+    report = plan_report(shape, parse_memory(gpu_mem), seq=seq, batch=batch, rank=rank, context=context)
+    numbers = report["estimate"]
+    table = Table(title=f"{model}: {numbers['params'] / 1e9:.2f}B parameters; seq {seq} x batch {batch}, rank {rank}")
+    table.add_column("what")
+    table.add_column("GiB", justify="right")
+    rows = [
+        ("f16 weights", "f16_weights"),
+        ("NF4 weights (double quant)", "nf4_weights"),
+        ("LoRA weights + grads + AdamW", "lora_train_state"),
+        ("adapter on disk (bf16)", "adapter_bytes_bf16"),
+        ("activations", "activations"),
+        ("activations, gradient checkpointing", "activations_checkpointed"),
+        ("logits (+ f32 loss)", "logits"),
+        ("QLoRA total", "qlora_total"),
+        ("QLoRA total, gradient checkpointing", "qlora_total_checkpointed"),
+        ("Q4_K_M GGUF", "gguf_q4_k_m"),
+        (f"KV cache at {context} tokens (f16)", "kv_cache"),
+        ("Q4_K_M inference total", "inference_total"),
+    ]
+    for label, key in rows:
+        table.add_row(label, f"{numbers[key] / GIB:.2f}")
+    console.print(table)
+    for what, fits in report["fits"].items():
+        console.print(f"{'[green]fits[/]' if fits else '[red]does not fit[/]'} in {gpu_mem}: {what}")
+    longest = report["largest_seq_at_batch"]
+    console.print(
+        f"longest QLoRA sequence at batch {batch}: {longest['checkpointing']} tokens with gradient "
+        f"checkpointing, {longest['no_checkpointing']} without"
+    )
+    if json_out:
+        json_out.write_text(json.dumps(report, indent=2))
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -1,0 +1,56 @@
+"""Configs from YAML (and CLI overrides), validated by pydantic before anything runs.
+
+Every problem is reported at once with its YAML path (e.g. `finetune.lora_r: Input should be ...`).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, TypeVar
+
+import yaml
+from pydantic import BaseModel, ValidationError
+
+from spectune.errors import Problem, SpectuneError
+
+Config = TypeVar("Config", bound=BaseModel)
+
+
+def read_yaml(path: str | Path) -> dict[str, Any]:
+    path = Path(path)
+    if not path.is_file():
+        raise SpectuneError(f"{path}: no such config file")
+    try:
+        loaded = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        line = mark.line + 1 if mark else None
+        raise SpectuneError(f"{path}: invalid YAML", [Problem(str(path), str(exc).splitlines()[0], line)]) from exc
+    if loaded is None:
+        return {}
+    if not isinstance(loaded, dict):
+        raise SpectuneError(f"{path}: the top level must be a mapping of keys to values")
+    return loaded
+
+
+def validate(model: type[Config], values: dict[str, Any], source: str) -> Config:
+    """Build `model` from `values`; all errors at once, each with its dotted path."""
+    try:
+        return model.model_validate(values)
+    except ValidationError as exc:
+        problems = [
+            Problem(
+                source,
+                f"{error['msg']} (got {error.get('input')!r})"[:300],
+                field=".".join(str(part) for part in error["loc"]) or None,
+            )
+            for error in exc.errors()
+        ]
+        raise SpectuneError(f"{source}: {len(problems)} config error(s)", problems) from None
+
+
+def load_config(model: type[Config], yaml_path: Path | None, overrides: dict[str, Any]) -> Config:
+    """YAML values, then CLI options that were given (not None) on top."""
+    values = read_yaml(yaml_path) if yaml_path else {}
+    values.update({key: value for key, value in overrides.items() if value is not None})
+    return validate(model, values, str(yaml_path) if yaml_path else "command line")

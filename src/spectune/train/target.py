@@ -1,0 +1,287 @@
+"""Target fine-tuning with QLoRA: the base loaded in 4-bit NF4 (bitsandbytes), a LoRA adapter on every linear
+layer (peft), trained by TRL's SFTTrainer on assistant tokens only. `merge` folds the adapter into the base
+reloaded in 16/32-bit, ready for GGUF export.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from spectune.atomic import atomic_path
+from spectune.errors import SpectuneError
+from spectune.models.load import check_model_dir, load_tokenizer
+from spectune.train.common import (
+    Timer,
+    console,
+    folder_bytes,
+    has_cuda,
+    last_checkpoint,
+    load_task_data,
+    peak_memory_bytes,
+    trainer_settings,
+)
+
+
+class FinetuneConfig(BaseModel):
+    """Everything `spectune finetune` takes; the same keys under `finetune:` in a run config."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: Path
+    data: Path
+    out: Path
+    eval_data: Path | None = None
+    eval_fraction: float = Field(0.1, ge=0.0, lt=1.0)
+    max_eval: int = Field(200, ge=1)
+    system: str | None = None
+    chat_template: Path | None = None
+    max_tokens: int = Field(1024, ge=16)
+    four_bit: bool = True
+    lora_r: int = Field(16, ge=1)
+    lora_alpha: int = Field(32, ge=1)
+    lora_dropout: float = Field(0.05, ge=0.0, lt=1.0)
+    target_modules: list[str] | str = "all-linear"
+    epochs: float = Field(1.0, gt=0)
+    max_steps: int = 0
+    batch_size: int = Field(8, ge=1)
+    grad_accum: int = Field(1, ge=1)
+    lr: float = Field(2e-4, gt=0)
+    save_steps: int = Field(50, ge=1)
+    gradient_checkpointing: bool | None = None  # None: on for CUDA, off on CPU
+    seed: int = 0
+    resume: bool = False
+
+
+class FinetuneResult(BaseModel):
+    adapter: Path
+    trainable_parameters: int
+    total_parameters: int
+    train_dialogues: int
+    trained_tokens: int
+    steps: int
+    eval_loss_before: float
+    eval_loss_after: float
+    adapter_bytes: int
+    peak_memory_bytes: int
+    peak_memory_how: str
+    seconds: float
+    four_bit: bool
+
+
+def quantization_config() -> Any:
+    """NF4 with double quantization, computing in bf16 on a GPU that has it, else f32 (CPU)."""
+    import torch
+    from transformers import BitsAndBytesConfig
+
+    compute = torch.bfloat16 if has_cuda() and torch.cuda.is_bf16_supported() else torch.float32
+    return BitsAndBytesConfig(
+        load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True, bnb_4bit_compute_dtype=compute
+    )
+
+
+def load_base(model_dir: Path, four_bit: bool) -> Any:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    kwargs: dict[str, Any] = {"dtype": torch.float32 if not has_cuda() else "auto"}
+    if four_bit:
+        kwargs["quantization_config"] = quantization_config()
+        kwargs["device_map"] = {"": 0} if has_cuda() else {"": "cpu"}
+    try:
+        return AutoModelForCausalLM.from_pretrained(str(model_dir), local_files_only=True, **kwargs)
+    except (OSError, ValueError) as exc:
+        raise SpectuneError(f"{model_dir}: cannot load the model: {exc}") from exc
+
+
+def _smallest_layer_width(model: Any) -> int:
+    import torch
+
+    widths = [min(m.in_features, m.out_features) for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    bnb_widths = [min(m.in_features, m.out_features) for m in model.modules() if hasattr(m, "quant_state")]
+    return min(widths + bnb_widths)
+
+
+def add_lora(model: Any, config: FinetuneConfig) -> Any:
+    from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
+
+    width = _smallest_layer_width(model)
+    if config.lora_r > width:
+        raise SpectuneError(f"lora_r = {config.lora_r} is larger than the narrowest layer ({width}): lower --lora-r")
+    if config.four_bit:
+        checkpointing = config.gradient_checkpointing if config.gradient_checkpointing is not None else has_cuda()
+        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=checkpointing)
+    lora = LoraConfig(
+        r=config.lora_r,
+        lora_alpha=config.lora_alpha,
+        lora_dropout=config.lora_dropout,
+        target_modules=config.target_modules,
+        task_type="CAUSAL_LM",
+    )
+    return get_peft_model(model, lora)
+
+
+def finetune(config: FinetuneConfig) -> FinetuneResult:
+    """QLoRA (or LoRA with four_bit=False) SFT of a target on task data; returns where the adapter is."""
+    from trl import SFTConfig, SFTTrainer
+
+    from spectune.threads import configure_torch_threads
+
+    configure_torch_threads()
+    check_model_dir(config.model)
+    tokenizer = load_tokenizer(config.model, config.chat_template)
+    data = load_task_data(
+        tokenizer,
+        config.data,
+        config.eval_data,
+        system=config.system,
+        max_tokens=config.max_tokens,
+        eval_fraction=config.eval_fraction,
+        max_eval=config.max_eval,
+        seed=config.seed,
+    )
+    from transformers import set_seed
+
+    set_seed(config.seed)  # LoRA init too: a run is reproducible, and --resume continues the same run
+    model = add_lora(load_base(config.model, config.four_bit), config)
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    total = sum(p.numel() for p in model.parameters())
+    settings = trainer_settings(
+        config.out,
+        batch_size=config.batch_size,
+        grad_accum=config.grad_accum,
+        lr=config.lr,
+        epochs=config.epochs,
+        max_steps=config.max_steps,
+        save_steps=config.save_steps,
+        seed=config.seed,
+        max_tokens=config.max_tokens,
+        gradient_checkpointing=config.gradient_checkpointing,
+    )
+    trainer = SFTTrainer(
+        model=model,
+        args=SFTConfig(**settings),
+        train_dataset=data.train,
+        eval_dataset=data.eval,
+        processing_class=tokenizer,
+    )
+    if not trainer.args.bf16:
+        # TRL casts QLoRA adapters to bf16 (QLoRA paper); without bf16 hardware keep f32, which is also what
+        # peft restores on --resume, so a resumed run continues exactly.
+        for param in trainer.model.parameters():
+            if param.requires_grad:
+                param.data = param.data.float()
+    steps = trainer.args.max_steps if trainer.args.max_steps > 0 else _planned_steps(trainer)
+    tokens_per_step = data.trained_tokens / max(1, len(data.train)) * config.batch_size * config.grad_accum
+    console.print(
+        f"{'QLoRA (NF4)' if config.four_bit else 'LoRA'} on {config.model}: trainable {trainable:,} of {total:,} "
+        f"parameters ({100 * trainable / total:.2f}%), {len(data.train)} dialogues, {steps} steps, "
+        f"~{tokens_per_step:,.0f} trained tokens per step"
+    )
+    resume_from = last_checkpoint(config.out) if config.resume else None
+    if config.resume and resume_from is None:
+        console.print("[yellow]--resume: no complete checkpoint yet, starting from the beginning[/]")
+    with Timer() as timer, out_of_memory_advice(config):
+        before = trainer.evaluate()["eval_loss"]
+        trainer.train(resume_from_checkpoint=str(resume_from) if resume_from else None)
+        after = trainer.evaluate()["eval_loss"]
+    adapter = config.out / "adapter"
+    with atomic_path(adapter) as tmp:
+        trainer.model.save_pretrained(str(tmp))
+        tokenizer.save_pretrained(str(tmp))
+    peak, how = peak_memory_bytes()
+    result = FinetuneResult(
+        adapter=adapter,
+        trainable_parameters=trainable,
+        total_parameters=total,
+        train_dialogues=len(data.train),
+        trained_tokens=data.trained_tokens,
+        steps=trainer.state.global_step,
+        eval_loss_before=before,
+        eval_loss_after=after,
+        adapter_bytes=folder_bytes(adapter),
+        peak_memory_bytes=peak,
+        peak_memory_how=how,
+        seconds=round(timer.seconds, 2),
+        four_bit=config.four_bit,
+    )
+    with atomic_path(config.out / "finetune.json") as tmp:
+        tmp.write_text(
+            json.dumps(
+                {
+                    "config": config.model_dump(mode="json"),
+                    "result": result.model_dump(mode="json"),
+                    "render": asdict(data.train_stats),
+                },
+                indent=2,
+                default=str,
+            )
+        )
+    return result
+
+
+@contextmanager
+def out_of_memory_advice(config: FinetuneConfig) -> Iterator[None]:
+    """Turn an out-of-memory error into advice on which knob to turn."""
+    import torch
+
+    try:
+        yield
+    except (torch.OutOfMemoryError, MemoryError) as exc:
+        raise SpectuneError(
+            f"out of memory at batch_size {config.batch_size}, max_tokens {config.max_tokens}: lower --batch-size "
+            "(raise --grad-accum to keep the effective batch), lower --max-tokens, or turn on gradient "
+            "checkpointing (gradient_checkpointing: true); `spectune plan` estimates what fits. The last complete "
+            f"checkpoint, if any, is in {config.out / 'checkpoints'} (--resume continues from it)."
+        ) from exc
+
+
+def _planned_steps(trainer: Any) -> int:
+    import math
+
+    args = trainer.args
+    per_epoch = math.ceil(
+        len(trainer.train_dataset) / (args.per_device_train_batch_size * args.gradient_accumulation_steps)
+    )
+    return math.ceil(per_epoch * args.num_train_epochs)
+
+
+class MergeResult(BaseModel):
+    model: Path
+    max_logit_diff: float
+    checked_tokens: int
+
+
+def merge(base: Path, adapter: Path, out: Path, tolerance: float = 1e-3) -> MergeResult:
+    """The standard QLoRA merge: base reloaded unquantized, adapter merged; checks merged == base + adapter."""
+    import torch
+    from peft import PeftModel
+
+    check_model_dir(base)
+    if not (adapter / "adapter_config.json").is_file():
+        raise SpectuneError(f"{adapter}: not a LoRA adapter folder (no adapter_config.json)")
+    tokenizer = load_tokenizer(adapter if (adapter / "tokenizer_config.json").is_file() else base)
+    with_adapter = PeftModel.from_pretrained(load_base(base, four_bit=False), str(adapter))
+    with_adapter.eval()
+    probe = tokenizer(
+        "Hello! I would like to book an appointment for Tuesday at 3 pm, please.",
+        return_tensors="pt",
+        add_special_tokens=False,
+    )["input_ids"]
+    with torch.no_grad():
+        expected = with_adapter(input_ids=probe).logits
+        merged = with_adapter.merge_and_unload()
+        got = merged(input_ids=probe).logits
+    diff = float((expected - got).abs().max())
+    if diff > tolerance:
+        raise SpectuneError(f"merged logits differ from base + adapter by {diff:.2e} (> {tolerance:.0e})")
+    with atomic_path(out) as tmp:
+        merged.save_pretrained(str(tmp))
+        tokenizer.save_pretrained(str(tmp))
+    return MergeResult(model=out, max_logit_diff=diff, checked_tokens=int(probe.numel()))
