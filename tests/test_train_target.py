@@ -42,28 +42,50 @@ def test_4bit_base_really_is_nf4(micro_pair):
 
 
 def test_adapter_reloads_to_the_trained_model(tuned, micro_pair, demo_data):
+    """The saved adapter on a freshly loaded 4-bit base gives exactly the trained model's eval loss."""
     from peft import PeftModel
+    from trl import SFTConfig, SFTTrainer
 
-    from spectune.data.render import render
     from spectune.models.load import load_tokenizer
+    from spectune.train.common import load_task_data, trainer_settings
 
     result, out = tuned
-    tokenizer = load_tokenizer(micro_pair / "target")
-    reloaded = PeftModel.from_pretrained(load_base(micro_pair / "target", four_bit=True), str(out / "adapter"))
-    again = PeftModel.from_pretrained(load_base(micro_pair / "target", four_bit=True), str(out / "adapter"))
-    sample = render(
+    config = FinetuneConfig(model=micro_pair / "target", data=demo_data, out=out, **FAST)
+    tokenizer = load_tokenizer(config.model)
+    data = load_task_data(
         tokenizer,
-        [
-            {"role": "user", "content": "Where is my order?"},
-            {"role": "assistant", "content": "What's the order number?"},
-        ],
+        demo_data,
+        None,
+        system=None,
+        max_tokens=config.max_tokens,
+        eval_fraction=config.eval_fraction,
+        max_eval=config.max_eval,
+        seed=config.seed,
     )
-    ids = torch.tensor([sample.input_ids])
-    with torch.no_grad():
-        first, second = reloaded(input_ids=ids).logits, again(input_ids=ids).logits
-        base = load_base(micro_pair / "target", four_bit=True)(input_ids=ids).logits
-    assert torch.equal(first, second)
-    assert not torch.allclose(first, base, atol=1e-3)  # the adapter changes the model
+    reloaded = PeftModel.from_pretrained(load_base(config.model, four_bit=True), str(out / "adapter"))
+    settings = trainer_settings(
+        out / "reload",
+        batch_size=config.batch_size,
+        grad_accum=1,
+        lr=1e-3,
+        epochs=1,
+        max_steps=0,
+        save_steps=10,
+        seed=0,
+        max_tokens=config.max_tokens,
+        gradient_checkpointing=False,
+    )
+    trainer = SFTTrainer(
+        model=reloaded,
+        args=SFTConfig(**settings),
+        train_dataset=data.train,
+        eval_dataset=data.eval,
+        processing_class=tokenizer,
+    )
+    reloaded_loss = trainer.evaluate()["eval_loss"]
+    # Equal up to float reassociation (prepare_model_for_kbit_training's casts differ from a plain reload).
+    assert reloaded_loss == pytest.approx(result.eval_loss_after, rel=1e-4)
+    assert result.eval_loss_before - reloaded_loss > 0.5  # and far from the base without the adapter
 
 
 def test_merge_matches_base_plus_adapter(tuned, micro_pair, tmp_path):
