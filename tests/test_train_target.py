@@ -52,29 +52,9 @@ def test_adapter_reloads_to_the_trained_model(tuned, micro_pair, demo_data):
     result, out = tuned
     config = FinetuneConfig(model=micro_pair / "target", data=demo_data, out=out, **FAST)
     tokenizer = load_tokenizer(config.model)
-    data = load_task_data(
-        tokenizer,
-        demo_data,
-        None,
-        system=None,
-        max_tokens=config.max_tokens,
-        eval_fraction=config.eval_fraction,
-        max_eval=config.max_eval,
-        seed=config.seed,
-    )
+    data = load_task_data(tokenizer, config)
     reloaded = PeftModel.from_pretrained(load_base(config.model, four_bit=True), str(out / "adapter"))
-    settings = trainer_settings(
-        out / "reload",
-        batch_size=config.batch_size,
-        grad_accum=1,
-        lr=1e-3,
-        epochs=1,
-        max_steps=0,
-        save_steps=10,
-        seed=0,
-        max_tokens=config.max_tokens,
-        gradient_checkpointing=False,
-    )
+    settings = trainer_settings(config.model_copy(update={"out": out / "reload"}))
     trainer = SFTTrainer(
         model=reloaded,
         args=SFTConfig(**settings),

@@ -297,6 +297,91 @@ def merge(
 
 
 @app.command()
+def draft(
+    target: Annotated[Path | None, typer.Option(help="The fine-tuned (merged) target folder.")] = None,
+    draft_model: Annotated[Path | None, typer.Option("--draft", help="The base draft folder to start from.")] = None,
+    data: Annotated[Path | None, typer.Option(help="The same task dataset the target was tuned on.")] = None,
+    out: Annotated[Path | None, typer.Option(help="Output folder: model/, checkpoints/, draft.json.")] = None,
+    method: Annotated[str | None, typer.Option(help="sft | kd | onpolicy.")] = None,
+    config: ConfigOpt = None,
+    divergence: Annotated[str | None, typer.Option(help="kd loss: forward_kl | reverse_kl | jsd | tv.")] = None,
+    temperature: Annotated[float | None, typer.Option(help="kd temperature.")] = None,
+    eval_data: Annotated[Path | None, typer.Option(help="Held-out dataset (default: a split of --data).")] = None,
+    epochs: Annotated[float | None, typer.Option(help="Epochs over the data.")] = None,
+    max_steps: Annotated[int | None, typer.Option(help="Stop after this many steps (overrides epochs).")] = None,
+    batch_size: Annotated[int | None, typer.Option(help="Dialogues per step.")] = None,
+    lr: Annotated[float | None, typer.Option(help="Learning rate.")] = None,
+    max_tokens: Annotated[int | None, typer.Option(help="Longest sequence; longer dialogues are cut on turns.")] = None,
+    save_steps: Annotated[int | None, typer.Option(help="Checkpoint every N steps.")] = None,
+    system: SystemOpt = None,
+    seed: Annotated[int | None, typer.Option(help="Seed.")] = None,
+    resume: Annotated[bool | None, typer.Option("--resume", help="Continue from the last complete checkpoint.")] = None,
+) -> None:
+    """Train a draft that thinks like the target: sft (same data), kd (distillation) or onpolicy."""
+    values = {key: value for key, value in locals().items() if key not in ("config", "draft_model")}
+    values["draft"] = draft_model
+    from spectune.config import load_config
+    from spectune.train.draft import DraftConfig, train_draft
+
+    result = train_draft(load_config(DraftConfig, config, values))
+    console.print(
+        f"draft ({result.method}): eval loss {result.eval_loss_before:.4f} -> {result.eval_loss_after:.4f} "
+        f"| {result.model} | {result.seconds:.0f} s"
+    )
+
+
+@app.command()
+def acceptance(
+    target: Annotated[Path, typer.Option(help="The (fine-tuned, merged) target folder.")],
+    draft_models: Annotated[list[str], typer.Option("--draft", help="NAME=FOLDER or FOLDER; repeat for several.")],
+    data: Annotated[Path, typer.Option(help="Held-out prompts: a chat dataset or a `data prompts` file.")],
+    n: Annotated[int, typer.Option(help="How many prompts.")] = 30,
+    max_new_tokens: Annotated[int, typer.Option(help="Longest target answer.")] = 64,
+    temperature: Annotated[float, typer.Option(help="Also measure sampling acceptance at this temperature.")] = 0.0,
+    profile: Annotated[
+        Path | None,
+        typer.Option(
+            help="Measured profile JSON (cost_ratio, verify_ratio), e.g. a pair manifest's profile or a bench report."
+        ),
+    ] = None,
+    json_out: Annotated[Path | None, typer.Option("--json", help="Also write the results as JSON.")] = None,
+) -> None:
+    """Offline acceptance: α, accepted run lengths, τ(k), best k and predicted speedup, per draft."""
+    from spectune.train.acceptance import run_acceptance
+
+    drafts = dict(_named(item) for item in draft_models)
+    report = run_acceptance(
+        target,
+        drafts,
+        data,
+        n=n,
+        max_new_tokens=max_new_tokens,
+        temperature=temperature,
+        profile_file=profile,
+        json_out=json_out,
+    )
+    _print_acceptance(report)
+
+
+def _named(item: str) -> tuple[str, Path]:
+    name, _, path = item.rpartition("=")
+    return (name or Path(path).name), Path(path)
+
+
+def _print_acceptance(report: dict) -> None:
+    table = Table(title=f"acceptance on {report['prompts']} held-out prompts (target's greedy answers)")
+    for column in ("draft", "α", "tokens", *(f"τ(k*) / k* / S ({p['name']})" for p in report["profiles"])):
+        table.add_column(column)
+    for row in report["drafts"]:
+        cells = [row["name"], f"{row['alpha']:.1%}", str(row["tokens"])]
+        for profile in report["profiles"]:
+            k = row["best_k"][profile["name"]]
+            cells.append(f"{row['tau_simulated'][str(k)]:.2f} / {k} / {row['speedup'][profile['name']][str(k)]:.2f}x")
+        table.add_row(*cells)
+    console.print(table)
+
+
+@app.command()
 def plan(
     model: Annotated[Path, typer.Option(help="A model folder or an HF config.json (no weights needed).")],
     gpu_mem: Annotated[str, typer.Option(help="Memory to plan for, e.g. 16GiB.")] = "16GiB",

@@ -129,7 +129,28 @@ def multilingual(rng: random.Random) -> str:
     return " ".join(picked) + " " + " ".join(rng.sample(EMOJI, rng.randint(0, 3)))
 
 
+def everyday(rng: random.Random) -> str:
+    """News-like prose with the everyday words any pretrained model knows (names, dates, times, money,
+    services, goods, places): the words of a voice-bot task, never its dialogue."""
+    from spectune.data.demo import CITIES, DAYS, FIRST_NAMES, ITEMS, LAST_NAMES, MONTHS, SERVICES, STREETS
+
+    name = f"{rng.choice(FIRST_NAMES)} {rng.choice(LAST_NAMES)}"
+    day, month = rng.choice(DAYS), rng.choice(MONTHS)
+    return rng.choice(
+        (
+            f"On {day}, {name} ordered a {rng.choice(ITEMS)} and paid {rng.randint(5, 400)} dollars.",
+            f"The {rng.choice(SERVICES)} company in {rng.choice(CITIES)} opened a new office on {rng.choice(STREETS)}.",
+            f"{name} moved to {rng.randint(1, 240)} {rng.choice(STREETS)} in {month} and changed every address.",
+            f"Reference numbers, dates and times were printed on the invoice: {month} {rng.randint(1, 28)}, "
+            f"{rng.randint(1, 12)} {rng.choice(('am', 'pm'))}.",
+            f"The delivery was delayed until {day}, so {name} called the shop to check the status of the order.",
+            f"In {rng.choice(CITIES)}, most appointments are booked by phone, and many people cancel or reschedule.",
+        )
+    )
+
+
 KINDS: dict[str, Callable[[random.Random], str]] = {
+    "everyday": everyday,
     "story": story,
     "fact": fact,
     "arithmetic": arithmetic,

@@ -9,10 +9,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from pydantic import BaseModel, ConfigDict, Field
 from rich.console import Console
 
 from spectune.data.prepare import split_dialogues
-from spectune.data.read import read_dialogues
+from spectune.data.read import Dialogue, read_dialogues
 from spectune.data.render import RenderStats, render_all
 from spectune.errors import SpectuneError
 
@@ -27,27 +28,47 @@ class TaskData:
     trained_tokens: int
 
 
-def load_task_data(
-    tokenizer: Any,
-    data: Path,
-    eval_data: Path | None,
-    *,
-    system: str | None,
-    max_tokens: int,
-    eval_fraction: float,
-    max_eval: int,
-    seed: int,
-) -> TaskData:
-    """Read, split (unless an eval file is given), render with the chat template and mask non-assistant tokens."""
+class TrainConfig(BaseModel):
+    """What every trainer takes (TRL style: one config per method extends this)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    data: Path
+    out: Path
+    eval_data: Path | None = None
+    eval_fraction: float = Field(0.1, ge=0.0, lt=1.0)
+    max_eval: int = Field(200, ge=1)
+    system: str | None = None
+    chat_template: Path | None = None
+    max_tokens: int = Field(1024, ge=16)
+    epochs: float = Field(1.0, gt=0)
+    max_steps: int = 0
+    batch_size: int = Field(8, ge=1)
+    grad_accum: int = Field(1, ge=1)
+    lr: float = Field(2e-4, gt=0)
+    save_steps: int = Field(50, ge=1)
+    gradient_checkpointing: bool | None = None  # None: on for CUDA, off on CPU
+    seed: int = 0
+    resume: bool = False
+
+
+def read_split(config: TrainConfig) -> tuple[list[Dialogue], list[Dialogue]]:
+    """Train and held-out dialogues: the eval file if given, else a seeded split of the data."""
+    dialogues = read_dialogues(config.data, system=config.system).dialogues
+    if config.eval_data is not None:
+        return dialogues, read_dialogues(config.eval_data, system=config.system).dialogues[: config.max_eval]
+    split = split_dialogues(dialogues, eval_fraction=config.eval_fraction, seed=config.seed)
+    return split.train, split.eval[: config.max_eval]
+
+
+def load_task_data(tokenizer: Any, config: TrainConfig, train: list[Dialogue] | None = None) -> TaskData:
+    """Render train/eval dialogues with the chat template; mask everything but assistant tokens.
+    `train` replaces the training dialogues (e.g. with the target's own answers)."""
     import datasets
 
-    dialogues = read_dialogues(data, system=system).dialogues
-    if eval_data is not None:
-        train, held_out = dialogues, read_dialogues(eval_data, system=system).dialogues
-    else:
-        split = split_dialogues(dialogues, eval_fraction=eval_fraction, seed=seed)
-        train, held_out = split.train, split.eval
-    held_out = held_out[:max_eval]
+    data, eval_data, max_tokens = config.data, config.eval_data, config.max_tokens
+    read_train, held_out = read_split(config)
+    train = read_train if train is None else train
     rendered_train, stats = render_all(tokenizer, [d.messages for d in train], max_tokens)
     rendered_eval, _ = render_all(tokenizer, [d.messages for d in held_out], max_tokens)
     if stats.truncated or stats.dropped:
@@ -76,45 +97,33 @@ def has_cuda() -> bool:
     return torch.cuda.is_available()
 
 
-def trainer_settings(
-    out_dir: Path,
-    *,
-    batch_size: int,
-    grad_accum: int,
-    lr: float,
-    epochs: float,
-    max_steps: int,
-    save_steps: int,
-    seed: int,
-    max_tokens: int,
-    gradient_checkpointing: bool | None,
-) -> dict[str, Any]:
+def trainer_settings(config: TrainConfig) -> dict[str, Any]:
     """SFTConfig arguments for this hardware: bf16 and gradient checkpointing only where they pay (CUDA)."""
     import torch
 
     cuda = has_cuda()
     return {
-        "output_dir": str(out_dir / "checkpoints"),
-        "per_device_train_batch_size": batch_size,
-        "per_device_eval_batch_size": batch_size,
-        "gradient_accumulation_steps": grad_accum,
-        "learning_rate": lr,
-        "num_train_epochs": epochs,
-        "max_steps": max_steps if max_steps > 0 else -1,
+        "output_dir": str(config.out / "checkpoints"),
+        "per_device_train_batch_size": config.batch_size,
+        "per_device_eval_batch_size": config.batch_size,
+        "gradient_accumulation_steps": config.grad_accum,
+        "learning_rate": config.lr,
+        "num_train_epochs": config.epochs,
+        "max_steps": config.max_steps if config.max_steps > 0 else -1,
         "lr_scheduler_type": "cosine",
         "warmup_steps": 0.03,
         "logging_steps": 5,
-        "save_steps": save_steps,
+        "save_steps": config.save_steps,
         "save_total_limit": 2,
         "eval_strategy": "no",
         "report_to": [],
-        "seed": seed,
-        "data_seed": seed,
+        "seed": config.seed,
+        "data_seed": config.seed,
         "bf16": cuda and torch.cuda.is_bf16_supported(),
         "fp16": False,
         "use_cpu": not cuda,
-        "gradient_checkpointing": cuda if gradient_checkpointing is None else gradient_checkpointing,
-        "max_length": max_tokens,
+        "gradient_checkpointing": cuda if config.gradient_checkpointing is None else config.gradient_checkpointing,
+        "max_length": config.max_tokens,
         "packing": False,
         "dataloader_num_workers": 0,
         "include_num_input_tokens_seen": "all",

@@ -12,13 +12,14 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, Field
 
 from spectune.atomic import atomic_path
 from spectune.errors import SpectuneError
 from spectune.models.load import check_model_dir, load_tokenizer
 from spectune.train.common import (
     Timer,
+    TrainConfig,
     console,
     folder_bytes,
     has_cuda,
@@ -29,34 +30,16 @@ from spectune.train.common import (
 )
 
 
-class FinetuneConfig(BaseModel):
+class FinetuneConfig(TrainConfig):
     """Everything `spectune finetune` takes; the same keys under `finetune:` in a run config."""
 
-    model_config = ConfigDict(extra="forbid")
-
     model: Path
-    data: Path
-    out: Path
-    eval_data: Path | None = None
-    eval_fraction: float = Field(0.1, ge=0.0, lt=1.0)
-    max_eval: int = Field(200, ge=1)
-    system: str | None = None
-    chat_template: Path | None = None
-    max_tokens: int = Field(1024, ge=16)
     four_bit: bool = True
     lora_r: int = Field(16, ge=1)
     lora_alpha: int = Field(32, ge=1)
     lora_dropout: float = Field(0.05, ge=0.0, lt=1.0)
     target_modules: list[str] | str = "all-linear"
-    epochs: float = Field(1.0, gt=0)
-    max_steps: int = 0
-    batch_size: int = Field(8, ge=1)
-    grad_accum: int = Field(1, ge=1)
     lr: float = Field(2e-4, gt=0)
-    save_steps: int = Field(50, ge=1)
-    gradient_checkpointing: bool | None = None  # None: on for CUDA, off on CPU
-    seed: int = 0
-    resume: bool = False
 
 
 class FinetuneResult(BaseModel):
@@ -129,6 +112,7 @@ def add_lora(model: Any, config: FinetuneConfig) -> Any:
 
 def finetune(config: FinetuneConfig) -> FinetuneResult:
     """QLoRA (or LoRA with four_bit=False) SFT of a target on task data; returns where the adapter is."""
+    from transformers import set_seed
     from trl import SFTConfig, SFTTrainer
 
     from spectune.threads import configure_torch_threads
@@ -136,34 +120,12 @@ def finetune(config: FinetuneConfig) -> FinetuneResult:
     configure_torch_threads()
     check_model_dir(config.model)
     tokenizer = load_tokenizer(config.model, config.chat_template)
-    data = load_task_data(
-        tokenizer,
-        config.data,
-        config.eval_data,
-        system=config.system,
-        max_tokens=config.max_tokens,
-        eval_fraction=config.eval_fraction,
-        max_eval=config.max_eval,
-        seed=config.seed,
-    )
-    from transformers import set_seed
-
+    data = load_task_data(tokenizer, config)
     set_seed(config.seed)  # LoRA init too: a run is reproducible, and --resume continues the same run
     model = add_lora(load_base(config.model, config.four_bit), config)
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     total = sum(p.numel() for p in model.parameters())
-    settings = trainer_settings(
-        config.out,
-        batch_size=config.batch_size,
-        grad_accum=config.grad_accum,
-        lr=config.lr,
-        epochs=config.epochs,
-        max_steps=config.max_steps,
-        save_steps=config.save_steps,
-        seed=config.seed,
-        max_tokens=config.max_tokens,
-        gradient_checkpointing=config.gradient_checkpointing,
-    )
+    settings = trainer_settings(config)
     trainer = SFTTrainer(
         model=model,
         args=SFTConfig(**settings),

@@ -1,0 +1,223 @@
+"""The offline acceptance meter: pick a draft before exporting anything, on HF models.
+
+The target answers held-out prompts greedily; each draft is run teacher-forced on those answers and we record
+where its greedy token equals the target's. That gives α (per-token acceptance), the accepted run lengths,
+τ(k) (tokens per verify step, simulated on the real match sequence and from α by formula), the best k, and the
+predicted speedup S(k) = τ(k) / (r(k+1) + k·c) for a hardware profile. With temperature > 0 the acceptance of
+speculative sampling is α = E[Σ_x min(p(x), q(x))], from both distributions.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from spectune.speedup import expected_tokens, speedup, verify_ratio_at
+
+MAX_K = 8
+
+
+@dataclass
+class Profile:
+    """A hardware profile: c (draft step / target step) and r(n) (n-token batch / one token)."""
+
+    name: str
+    cost_ratio: float
+    verify_ratio: dict[str, float] = field(default_factory=dict)  # empty: r = 1 (memory-bound GPU)
+
+
+@dataclass
+class DraftAcceptance:
+    name: str
+    alpha: float
+    tokens: int
+    run_lengths: dict[int, int]  # accepted run length (capped at MAX_K) -> count of verify steps, at k = MAX_K
+    tau_simulated: dict[int, float]
+    tau_formula: dict[int, float]
+    speedup: dict[str, dict[int, float]]  # profile name -> k -> S(k)
+    best_k: dict[str, int]
+    alpha_sampled: float | None = None  # E[Σ min(p, q)] at the given temperature
+
+
+def simulate_tau(matches: list[list[bool]], k: int) -> tuple[float, Counter[int]]:
+    """Greedy speculative decoding replayed on per-position draft==target flags: tokens per verify step.
+
+    At position i the draft proposes up to k tokens; the accepted prefix is the run of matches from i, and the
+    verify step adds one token of its own (the correction, or the bonus token after k accepted).
+    """
+    tokens = steps = 0
+    runs: Counter[int] = Counter()
+    for sequence in matches:
+        position = 0
+        while position < len(sequence):
+            run = 0
+            while run < k and position + run < len(sequence) and sequence[position + run]:
+                run += 1
+            gained = min(run + 1, len(sequence) - position)
+            runs[run] += 1
+            tokens += gained
+            steps += 1
+            position += gained
+    return (tokens / steps if steps else 0.0), runs
+
+
+def target_continuations(target: Any, tokenizer: Any, prompts: list, max_new_tokens: int) -> list[tuple[list, list]]:
+    """(prompt ids, the target's greedy answer ids, end token included) for each prompt."""
+    import torch
+
+    pairs = []
+    for prompt in prompts:
+        text = tokenizer.apply_chat_template(prompt.messages, tokenize=False, add_generation_prompt=True)
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        tensor = torch.tensor([ids])
+        with torch.no_grad():
+            out = target.generate(
+                tensor,
+                attention_mask=torch.ones_like(tensor),
+                max_new_tokens=max_new_tokens,
+                do_sample=False,
+                eos_token_id=tokenizer.eos_token_id,
+                pad_token_id=tokenizer.pad_token_id,
+            )
+        pairs.append((ids, out[0, len(ids) :].tolist()))
+    return pairs
+
+
+def teacher_forced(model: Any, prompt: list[int], answer: list[int]) -> Any:
+    """Logits predicting each answer token (rows: answer positions)."""
+    import torch
+
+    ids = torch.tensor([prompt + answer])
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits[0]
+    return logits[len(prompt) - 1 : len(prompt) - 1 + len(answer)]
+
+
+def measure(
+    target: Any,
+    drafts: dict[str, Any],
+    tokenizer: Any,
+    prompts: list,
+    profiles: list[Profile],
+    max_new_tokens: int = 64,
+    temperature: float = 0.0,
+) -> list[DraftAcceptance]:
+    """Acceptance of every draft against the target's own greedy answers to `prompts`."""
+    import torch
+
+    pairs = target_continuations(target, tokenizer, prompts, max_new_tokens)
+    target_logits = [teacher_forced(target, p, a) for p, a in pairs] if temperature > 0 else []
+    results = []
+    for name, draft in drafts.items():
+        matches, overlap = [], []
+        for index, (prompt, answer) in enumerate(pairs):
+            if not answer:
+                continue
+            logits = teacher_forced(draft, prompt, answer)
+            matches.append((logits.argmax(-1) == torch.tensor(answer)).tolist())
+            if temperature > 0:
+                p = torch.softmax(target_logits[index] / temperature, -1)
+                q = torch.softmax(logits / temperature, -1)
+                overlap.append(torch.minimum(p, q).sum(-1))
+        flat = [m for sequence in matches for m in sequence]
+        alpha = sum(flat) / len(flat) if flat else 0.0
+        tau_sim = {k: simulate_tau(matches, k)[0] for k in range(1, MAX_K + 1)}
+        tau_formula = {k: expected_tokens(alpha, k) for k in range(1, MAX_K + 1)}
+        speedups = {
+            profile.name: {
+                k: speedup(tau_sim[k], k, profile.cost_ratio, verify_ratio_at(profile.verify_ratio, k + 1))
+                for k in tau_sim
+            }
+            for profile in profiles
+        }
+        results.append(
+            DraftAcceptance(
+                name=name,
+                alpha=alpha,
+                tokens=len(flat),
+                run_lengths=dict(sorted(simulate_tau(matches, MAX_K)[1].items())),
+                tau_simulated=tau_sim,
+                tau_formula=tau_formula,
+                speedup=speedups,
+                best_k={profile: max(values, key=values.get) for profile, values in speedups.items()},
+                alpha_sampled=float(torch.cat(overlap).mean()) if overlap else None,
+            )
+        )
+    return results
+
+
+def load_models(target: Path, drafts: dict[str, Path]) -> tuple[Any, dict[str, Any], Any]:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from spectune.models.load import check_model_dir, load_tokenizer
+
+    def load(path: Path) -> Any:
+        check_model_dir(path)
+        return AutoModelForCausalLM.from_pretrained(str(path), local_files_only=True, dtype=torch.float32).eval()
+
+    return load(target), {name: load(path) for name, path in drafts.items()}, load_tokenizer(target)
+
+
+def gpu_profile(target: Any, draft: Any) -> Profile:
+    """Memory-bound decoding: a step costs what its weights weigh, so c = draft params / target params, r = 1."""
+    ratio = sum(p.numel() for p in draft.parameters()) / sum(p.numel() for p in target.parameters())
+    return Profile("gpu (memory-bound, predicted)", round(ratio, 4))
+
+
+def read_profile(path: Path) -> Profile:
+    """A measured profile from JSON: a profile object, or a pair manifest holding `profile_Q4_K_M`."""
+    import json
+
+    from spectune.errors import SpectuneError
+
+    loaded = json.loads(path.read_text())
+    loaded = loaded.get("profile_Q4_K_M", loaded.get("profile", loaded))
+    if "cost_ratio" not in loaded or "verify_ratio" not in loaded:
+        raise SpectuneError(f"{path}: no cost_ratio / verify_ratio (a profile or a pair manifest)")
+    return Profile(
+        f"here ({loaded.get('machine', 'measured')})",
+        float(loaded["cost_ratio"]),
+        {str(n): float(r) for n, r in loaded["verify_ratio"].items()},
+    )
+
+
+def run_acceptance(
+    target: Path,
+    drafts: dict[str, Path],
+    data: Path,
+    *,
+    n: int = 30,
+    max_new_tokens: int = 64,
+    temperature: float = 0.0,
+    profile_file: Path | None = None,
+    json_out: Path | None = None,
+) -> dict[str, Any]:
+    """The `spectune acceptance` stage: every draft against the target, on `n` held-out prompts."""
+    import json
+    from dataclasses import asdict
+
+    from spectune.atomic import atomic_path
+    from spectune.data.prepare import read_prompts
+    from spectune.threads import configure_torch_threads
+
+    configure_torch_threads()
+    measured = [read_profile(profile_file)] if profile_file is not None else []
+    prompts = read_prompts(data)[:n]
+    target_model, draft_models, tokenizer = load_models(target, drafts)
+    profiles = [*measured, gpu_profile(target_model, next(iter(draft_models.values())))]
+    results = measure(target_model, draft_models, tokenizer, prompts, profiles, max_new_tokens, temperature)
+    report = {
+        "target": str(target),
+        "data": str(data),
+        "prompts": len(prompts),
+        "temperature": temperature,
+        "profiles": [asdict(p) for p in profiles],
+        "drafts": [json.loads(json.dumps(asdict(r))) for r in results],  # int keys -> str, as in the file
+    }
+    if json_out is not None:
+        with atomic_path(json_out) as tmp:
+            tmp.write_text(json.dumps(report, indent=2))
+    return report

@@ -1,0 +1,222 @@
+"""Drafts that think like the target. A draft only speeds the target up if it proposes what the target says.
+
+Methods (`DraftConfig.method`):
+- `sft`: fine-tune the draft on the same data as the target (the reference story's method), TRL SFTTrainer.
+- `kd`: white-box distillation on the same data: at every assistant position the draft's next-token
+  distribution is pulled towards the fine-tuned target's (forward KL, reverse KL, JSD or total variation at a
+  temperature). TRL has no off-policy KD trainer with these losses, so this is an SFTTrainer whose loss is
+  replaced; target distributions are computed on the fly.
+- `onpolicy`: sequence-level KD: every assistant turn of the data is replaced by the target's own greedy answer
+  (exactly what it will verify at serve time), then SFT on that.
+Greedy speculative acceptance is 1 − TV(p, q) per token, so `tv` optimises acceptance directly.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, Field
+
+from spectune.atomic import atomic_path
+from spectune.data.read import Dialogue
+from spectune.errors import SpectuneError
+from spectune.models.load import check_model_dir, load_tokenizer
+from spectune.train.common import (
+    Timer,
+    TrainConfig,
+    console,
+    folder_bytes,
+    last_checkpoint,
+    load_task_data,
+    peak_memory_bytes,
+    read_split,
+    trainer_settings,
+)
+
+Method = Literal["sft", "kd", "onpolicy"]
+Divergence = Literal["forward_kl", "reverse_kl", "jsd", "tv"]
+
+
+class DraftConfig(TrainConfig):
+    """Everything `spectune draft` takes."""
+
+    target: Path  # the fine-tuned (merged) target: teacher for kd, author of the answers for onpolicy
+    draft: Path  # the base draft to start from
+    method: Method = "sft"
+    divergence: Divergence = "forward_kl"
+    temperature: float = Field(1.0, gt=0)
+    max_new_tokens: int = Field(96, ge=1)  # onpolicy: longest target answer generated
+    lr: float = Field(1e-3, gt=0)
+
+
+class DraftResult(BaseModel):
+    model: Path
+    method: str
+    eval_loss_before: float
+    eval_loss_after: float
+    steps: int
+    train_dialogues: int
+    trained_tokens: int
+    seconds: float
+    peak_memory_bytes: int
+    model_bytes: int
+
+
+def divergence_loss(student_logits: Any, teacher_logits: Any, mask: Any, kind: str, temperature: float) -> Any:
+    """Mean divergence between teacher p and student q over masked positions (logits: [..., vocab])."""
+    import torch.nn.functional as F
+
+    log_q = F.log_softmax(student_logits / temperature, dim=-1)
+    log_p = F.log_softmax(teacher_logits / temperature, dim=-1)
+    if kind == "forward_kl":  # KL(p || q): mode-covering
+        per_token = (log_p.exp() * (log_p - log_q)).sum(-1)
+    elif kind == "reverse_kl":  # KL(q || p): mode-seeking
+        per_token = (log_q.exp() * (log_q - log_p)).sum(-1)
+    elif kind == "jsd":
+        import math
+
+        log_m = (0.5 * (log_p.exp() + log_q.exp())).clamp_min(1e-30).log()
+        per_token = 0.5 * ((log_p.exp() * (log_p - log_m)).sum(-1) + (log_q.exp() * (log_q - log_m)).sum(-1))
+        per_token = per_token / math.log(2)
+    elif kind == "tv":  # 1 - acceptance probability of speculative sampling
+        per_token = 0.5 * (log_p.exp() - log_q.exp()).abs().sum(-1)
+    else:
+        raise SpectuneError(f"unknown divergence {kind!r}")
+    mask = mask.to(per_token.dtype)
+    return (per_token * mask).sum() / mask.sum().clamp_min(1.0)
+
+
+def distillation_trainer(teacher: Any, kind: str, temperature: float) -> type:
+    """An SFTTrainer whose loss is the divergence to `teacher` on assistant positions."""
+    import torch
+    from trl import SFTTrainer
+
+    class DistillSFTTrainer(SFTTrainer):
+        def compute_loss(self, model: Any, inputs: dict, return_outputs: bool = False, num_items_in_batch: Any = None):
+            labels = inputs["labels"]
+            forward = {k: v for k, v in inputs.items() if k in ("input_ids", "attention_mask", "position_ids")}
+            outputs = model(**forward)
+            with torch.no_grad():
+                teacher_logits = teacher(**forward).logits
+            # Position t predicts token t+1; train where that token is an assistant token.
+            mask = labels[:, 1:] != -100
+            loss = divergence_loss(outputs.logits[:, :-1], teacher_logits[:, :-1], mask, kind, temperature)
+            return (loss, outputs) if return_outputs else loss
+
+    return DistillSFTTrainer
+
+
+def _load_causal_lm(path: Path) -> Any:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(path), local_files_only=True, dtype=torch.float32)
+
+
+def target_answers(target: Any, tokenizer: Any, dialogues: list[Dialogue], max_new_tokens: int) -> list[Dialogue]:
+    """Each assistant turn replaced by the target's greedy answer to the dataset's context before it."""
+    import torch
+    from rich.progress import track
+
+    rewritten = []
+    end = tokenizer.eos_token_id
+    for dialogue in track(dialogues, description="target answers (onpolicy)", transient=True):
+        turns = []
+        for index, turn in enumerate(dialogue.messages):
+            if turn["role"] != "assistant":
+                turns.append(turn)
+                continue
+            prompt = tokenizer.apply_chat_template(
+                dialogue.messages[:index], tokenize=False, add_generation_prompt=True
+            )
+            ids = torch.tensor([tokenizer(prompt, add_special_tokens=False)["input_ids"]])
+            with torch.no_grad():
+                out = target.generate(
+                    ids,
+                    attention_mask=torch.ones_like(ids),
+                    max_new_tokens=max_new_tokens,
+                    do_sample=False,
+                    eos_token_id=end,
+                    pad_token_id=tokenizer.pad_token_id,
+                )
+            answer = tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True).strip()
+            turns.append({"role": "assistant", "content": answer or turn["content"]})
+        rewritten.append(Dialogue(turns, dialogue.source, dialogue.line))
+    return rewritten
+
+
+def train_draft(config: DraftConfig) -> DraftResult:
+    """Train a draft with `config.method`; returns the trained draft folder (a full HF model)."""
+    from transformers import set_seed
+    from trl import SFTConfig, SFTTrainer
+
+    from spectune.threads import configure_torch_threads
+
+    configure_torch_threads()
+    check_model_dir(config.target)
+    check_model_dir(config.draft)
+    tokenizer = load_tokenizer(config.draft, config.chat_template)
+    target_tokenizer = load_tokenizer(config.target, config.chat_template)
+    if target_tokenizer.get_vocab() != tokenizer.get_vocab():
+        raise SpectuneError(f"{config.draft} and {config.target} do not share a tokenizer: a draft must")
+    set_seed(config.seed)
+    train_dialogues = None
+    teacher = None
+    if config.method in ("kd", "onpolicy"):
+        teacher = _load_causal_lm(config.target).eval()
+    if config.method == "onpolicy":
+        train_dialogues = target_answers(teacher, tokenizer, read_split(config)[0], config.max_new_tokens)
+    data = load_task_data(tokenizer, config, train=train_dialogues)
+    model = _load_causal_lm(config.draft)
+    trainer_class = (
+        distillation_trainer(teacher, config.divergence, config.temperature) if config.method == "kd" else SFTTrainer
+    )
+    trainer = trainer_class(
+        model=model,
+        args=SFTConfig(**trainer_settings(config)),
+        train_dataset=data.train,
+        eval_dataset=data.eval,
+        processing_class=tokenizer,
+    )
+    console.print(
+        f"draft ({config.method}) from {config.draft}: {sum(p.numel() for p in model.parameters()):,} "
+        f"parameters, {len(data.train)} dialogues, {data.trained_tokens:,} trained tokens"
+    )
+    resume_from = last_checkpoint(config.out) if config.resume else None
+    with Timer() as timer:
+        before = trainer.evaluate()["eval_loss"]
+        trainer.train(resume_from_checkpoint=str(resume_from) if resume_from else None)
+        after = trainer.evaluate()["eval_loss"]
+    out_model = config.out / "model"
+    with atomic_path(out_model) as tmp:
+        trainer.model.save_pretrained(str(tmp))
+        tokenizer.save_pretrained(str(tmp))
+    peak, _how = peak_memory_bytes()
+    result = DraftResult(
+        model=out_model,
+        method=config.method,
+        eval_loss_before=before,
+        eval_loss_after=after,
+        steps=trainer.state.global_step,
+        train_dialogues=len(data.train),
+        trained_tokens=data.trained_tokens,
+        seconds=round(timer.seconds, 2),
+        peak_memory_bytes=peak,
+        model_bytes=folder_bytes(out_model),
+    )
+    with atomic_path(config.out / "draft.json") as tmp:
+        tmp.write_text(
+            json.dumps(
+                {
+                    "config": config.model_dump(mode="json"),
+                    "result": result.model_dump(mode="json"),
+                    "render": asdict(data.train_stats),
+                },
+                indent=2,
+                default=str,
+            )
+        )
+    return result

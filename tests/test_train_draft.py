@@ -1,0 +1,129 @@
+"""Drafts that think like the target (sft, kd, onpolicy) and the offline acceptance meter, on the micro pair."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from conftest import run_cli
+
+from spectune.errors import SpectuneError
+from spectune.speedup import expected_tokens, speedup
+from spectune.train.acceptance import run_acceptance, simulate_tau
+from spectune.train.draft import DraftConfig, divergence_loss, train_draft
+from spectune.train.target import FinetuneConfig, finetune, merge
+
+STEPS = {"batch_size": 8, "max_tokens": 256, "max_eval": 16}
+
+
+@pytest.fixture(scope="module")
+def tuned_target(micro_pair, demo_data, tmp_path_factory):
+    out = tmp_path_factory.mktemp("target")
+    result = finetune(
+        FinetuneConfig(model=micro_pair / "target", data=demo_data, out=out, max_steps=100, lr=5e-3, **STEPS)
+    )
+    return merge(micro_pair / "target", result.adapter, out / "merged").model
+
+
+@pytest.fixture(scope="module")
+def drafts(micro_pair, tuned_target, demo_data, tmp_path_factory):
+    results = {}
+    for method, steps in (("sft", 40), ("kd", 20), ("onpolicy", 20)):
+        out = tmp_path_factory.mktemp(method)
+        results[method] = train_draft(
+            DraftConfig(
+                target=tuned_target,
+                draft=micro_pair / "draft",
+                data=demo_data,
+                out=out,
+                method=method,
+                max_steps=steps,
+                lr=3e-3,
+                max_new_tokens=24,
+                **STEPS,
+            )
+        )
+    return results
+
+
+def test_every_method_trains_and_reports(drafts):
+    for method, result in drafts.items():
+        assert result.method == method
+        assert result.eval_loss_after < result.eval_loss_before, method
+        assert (result.model / "model.safetensors").is_file()
+
+
+def test_sft_beats_generic_on_held_out_prompts(micro_pair, tuned_target, drafts, demo_data, tmp_path):
+    names = {"generic": micro_pair / "draft", **{m: r.model for m, r in drafts.items()}}
+    report = run_acceptance(
+        tuned_target, names, demo_data, n=12, max_new_tokens=24, temperature=1.0, json_out=tmp_path / "acceptance.json"
+    )
+    alpha = {row["name"]: row["alpha"] for row in report["drafts"]}
+    assert alpha["sft"] > alpha["generic"] + 0.05, alpha
+    for row in report["drafts"]:
+        assert row["tokens"] > 0 and 0.0 <= row["alpha"] <= 1.0
+        assert 0.0 <= row["alpha_sampled"] <= 1.0
+        assert set(row["tau_simulated"]) == {str(k) for k in range(1, 9)}
+        assert all(1.0 <= tau <= k + 1 for k, tau in ((int(k), t) for k, t in row["tau_simulated"].items()))
+    assert (tmp_path / "acceptance.json").is_file()
+
+
+def test_tau_formula_matches_a_simulation():
+    rng = random.Random(0)
+    for alpha in (0.2, 0.5, 0.8, 0.95):
+        matches = [[rng.random() < alpha for _ in range(400)] for _ in range(50)]
+        for k in (1, 3, 5, 8):
+            simulated, _ = simulate_tau(matches, k)
+            assert simulated == pytest.approx(expected_tokens(alpha, k), rel=0.03), (alpha, k)
+
+
+def test_simulated_tau_on_known_sequences():
+    assert simulate_tau([[True] * 10], 4)[0] == 5.0  # 4 accepted + bonus, twice
+    assert simulate_tau([[False] * 6], 4)[0] == 1.0  # every step yields only the target's own token
+    tau, runs = simulate_tau([[True, True, False, True]], 8)
+    assert tau == 2.0 and runs == {2: 1, 1: 1}
+
+
+def test_speedup_formula():
+    assert speedup(3.0, 4, 0.1, 1.0) == pytest.approx(3.0 / 1.4)
+    assert speedup(expected_tokens(0.0, 4), 4, 0.1, 1.0) < 1.0  # a useless draft slows decoding down
+
+
+def test_divergences():
+    torch.manual_seed(0)
+    student, teacher = torch.randn(2, 5, 32), torch.randn(2, 5, 32)
+    mask = torch.ones(2, 5, dtype=torch.bool)
+    for kind in ("forward_kl", "reverse_kl", "jsd", "tv"):
+        assert divergence_loss(teacher, teacher, mask, kind, 1.0) == pytest.approx(0.0, abs=1e-6)
+        assert divergence_loss(student, teacher, mask, kind, 1.0) > 0.01
+    tv = divergence_loss(student, teacher, mask, "tv", 1.0)
+    p, q = torch.softmax(teacher, -1), torch.softmax(student, -1)
+    assert tv == pytest.approx(float(1 - torch.minimum(p, q).sum(-1).mean()), rel=1e-5)  # TV = 1 - acceptance
+    assert divergence_loss(student, teacher, mask, "jsd", 1.0) == pytest.approx(
+        float(divergence_loss(teacher, student, mask, "jsd", 1.0)), rel=1e-5
+    )
+    assert divergence_loss(student, teacher, mask, "jsd", 1.0) <= 1.0  # JSD in bits is at most 1
+    masked = divergence_loss(student, teacher, torch.zeros_like(mask), "tv", 1.0)
+    assert masked == 0.0
+
+
+def test_a_draft_with_another_tokenizer_is_refused(micro_pair, demo_data, tmp_path):
+    import json
+    import shutil
+
+    other = tmp_path / "other"
+    shutil.copytree(micro_pair / "draft", other)
+    tokenizer = json.loads((other / "tokenizer.json").read_text())
+    vocab = tokenizer["model"]["vocab"]
+    first, second = sorted(vocab, key=vocab.get)[300:302]
+    vocab[first], vocab[second] = vocab[second], vocab[first]
+    (other / "tokenizer.json").write_text(json.dumps(tokenizer))
+    with pytest.raises(SpectuneError, match="do not share a tokenizer"):
+        train_draft(DraftConfig(target=micro_pair / "target", draft=other, data=demo_data, out=tmp_path / "o"))
+
+
+def test_draft_cli_reports_config_errors(tmp_path, capsys):
+    assert run_cli("draft", "--method", "magic", "--out", str(tmp_path)) == 2
+    err = capsys.readouterr().err
+    assert "[method]" in err and "[target]" in err
