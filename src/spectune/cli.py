@@ -381,6 +381,172 @@ def _print_acceptance(report: dict) -> None:
     console.print(table)
 
 
+QuantOpt = Annotated[str, typer.Option(help="Q4_K_M (default), Q4_0, Q4_K_S, Q5_K_M, Q6_K, Q8_0, F16, F32.")]
+
+
+@app.command()
+def export(
+    model: Annotated[Path, typer.Option(help="HF model folder (a merged target, or a draft).")],
+    out: Annotated[Path, typer.Option(help="The .gguf file to write.")],
+    quant: QuantOpt = "Q4_K_M",
+    keep_f16: Annotated[bool, typer.Option(help="Keep the F16 GGUF the quantization started from.")] = False,
+) -> None:
+    """HF -> GGUF with llama.cpp's own converter, then quantize with libllama (atomic)."""
+    from spectune.export.gguf import export_model
+
+    path = export_model(model, out, quant, keep_f16=keep_f16)
+    console.print(f"{path} ({path.stat().st_size / 1e6:.1f} MB, {quant})")
+
+
+@app.command("export-pair")
+def export_pair(
+    target: Annotated[Path, typer.Option(help="The merged target folder.")],
+    draft_model: Annotated[Path, typer.Option("--draft", help="The draft folder.")],
+    out: Annotated[Path, typer.Option(help="Output folder for both GGUFs, export.json and llama-server.sh.")],
+    quant: QuantOpt = "Q4_K_M",
+    data: Annotated[Path | None, typer.Option(help="Eval dialogues for the fidelity report.")] = None,
+    n: Annotated[int, typer.Option(help="Eval dialogues used for fidelity.")] = 20,
+) -> None:
+    """Export a target and its draft, check they form a valid speculative pair, report fidelity and sizes."""
+    from spectune.export.pair import export_pair as run_export_pair
+
+    texts = None
+    if data is not None:
+        from spectune.data.read import read_dialogues
+        from spectune.models.load import load_tokenizer
+
+        tokenizer = load_tokenizer(target)
+        texts = [tokenizer.apply_chat_template(d.messages, tokenize=False) for d in read_dialogues(data).dialogues[:n]]
+    report = run_export_pair(target, draft_model, out, quant, texts)
+    table = Table(title=f"export ({quant})")
+    for column in ("model", "GGUF MB", "F16 MB", "top-1 agreement", "ppl HF -> GGUF", "tokenizer"):
+        table.add_column(column)
+    for role, entry in report["models"].items():
+        fid = entry.get("fidelity")
+        table.add_row(
+            role,
+            f"{entry['bytes'] / 1e6:.1f}",
+            f"{entry.get('f16_bytes', 0) / 1e6:.1f}",
+            f"{fid['top1_agreement']:.1%}" if fid else "-",
+            f"{fid['perplexity_hf']:.2f} -> {fid['perplexity_gguf']:.2f}" if fid else "-",
+            f"exact on {entry['tokenizer_strings_checked']} strings",
+        )
+    console.print(table)
+    console.print(f"pair accepted by llama.cpp's rules; serve with llama.cpp: {out / 'llama-server.sh'}")
+
+
+ThreadsOpt = Annotated[int | None, typer.Option(help="Threads for llama.cpp (default: $SPECTUNE_THREADS or all).")]
+ExactOpt = Annotated[
+    bool,
+    typer.Option(
+        help="Bit-identical batched logits (no repack, no tiled matmul): "
+        "speculative greedy output equals the target's own."
+    ),
+]
+
+
+@app.command()
+def generate(
+    target: Annotated[Path, typer.Option(help="Target GGUF.")],
+    draft_model: Annotated[Path | None, typer.Option("--draft", help="Draft GGUF (speculative decoding).")] = None,
+    prompt: Annotated[str | None, typer.Option(help="One user message; omit with --chat.")] = None,
+    chat: Annotated[bool, typer.Option("--chat", help="An interactive conversation.")] = False,
+    system: SystemOpt = None,
+    max_tokens: Annotated[int, typer.Option(help="Longest answer.")] = 256,
+    temperature: Annotated[float, typer.Option(help="0 = greedy.")] = 0.0,
+    top_k: Annotated[int, typer.Option(help="Top-k (0 = off).")] = 0,
+    top_p: Annotated[float, typer.Option(help="Top-p.")] = 1.0,
+    seed: Annotated[int, typer.Option(help="Sampling seed.")] = 0,
+    draft_max: Annotated[int, typer.Option(help="Draft length k.")] = 8,
+    draft_p_min: Annotated[float, typer.Option(help="Stop drafting below this draft confidence.")] = 0.0,
+    adaptive: Annotated[bool, typer.Option(help="Adapt k to the running acceptance.")] = False,
+    threads: ThreadsOpt = None,
+    exact: ExactOpt = True,
+) -> None:
+    """Stream an answer (or a conversation) from the target, with the draft speculating; print the stats."""
+    from spectune.runtime.chat import chat_prompt
+    from spectune.runtime.llama import LlamaModel
+    from spectune.runtime.speculative import SamplingConfig, SpeculativeDecoder
+
+    if prompt is None and not chat:
+        raise SpectuneError("give --prompt TEXT or --chat")
+    model = LlamaModel(target, threads=threads, exact=exact)
+    decoder = SpeculativeDecoder(model, LlamaModel(draft_model, threads=threads, exact=exact) if draft_model else None)
+    config = SamplingConfig(
+        max_tokens=max_tokens,
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        seed=seed,
+        draft_max=draft_max,
+        draft_p_min=draft_p_min,
+        adaptive=adaptive,
+    )
+    messages = [{"role": "system", "content": system}] if system else []
+    shown: list[int] = []
+
+    def show(tokens: list[int]) -> bool:
+        before = model.detokenize(shown)
+        shown.extend(tokens)
+        sys.stdout.write(model.detokenize(shown)[len(before) :])
+        sys.stdout.flush()
+        return True
+
+    while True:
+        text = prompt if prompt is not None else typer.prompt("you", prompt_suffix="> ")
+        messages.append({"role": "user", "content": text})
+        shown.clear()
+        answer, stats = decoder.generate(model.tokenize(chat_prompt(model, messages)), config, show)
+        messages.append({"role": "assistant", "content": model.detokenize(answer)})
+        console.print(
+            f"\n[dim]{stats.generated} tokens, {stats.tokens_per_second:.1f} tok/s, TTFT "
+            f"{stats.ttft_seconds * 1000:.0f} ms, acceptance {stats.acceptance_rate:.0%}, "
+            f"{stats.mean_accepted_len:.2f} tokens per target pass[/]"
+        )
+        if not chat:
+            break
+
+
+@app.command()
+def bench(
+    target: Annotated[Path, typer.Option(help="Target GGUF.")],
+    draft_models: Annotated[list[str], typer.Option("--draft", help="NAME=GGUF; repeat for several drafts.")],
+    data: Annotated[Path, typer.Option(help="Prompts: a chat dataset or a `data prompts` file.")],
+    out: Annotated[Path, typer.Option(help="Folder for report.json, report.md, report.png.")] = Path("bench"),
+    n: Annotated[int, typer.Option(help="Prompts.")] = 30,
+    repeats: Annotated[int, typer.Option(help="Interleaved repeats per prompt (medians).")] = 3,
+    max_tokens: Annotated[int, typer.Option(help="Longest answer.")] = 64,
+    draft_max: Annotated[int, typer.Option(help="Draft length k.")] = 8,
+    draft_p_min: Annotated[float, typer.Option(help="Stop drafting below this draft confidence.")] = 0.0,
+    adaptive: Annotated[bool, typer.Option(help="Adapt k to the running acceptance.")] = False,
+    threads: ThreadsOpt = None,
+    exact: ExactOpt = True,
+) -> None:
+    """Target alone vs target + each draft, interleaved, per prompt: tok/s, speedup, acceptance, identical."""
+    from spectune.bench.run import BenchConfig
+    from spectune.bench.run import bench as run_bench
+
+    drafts = dict(_named(item) for item in draft_models)
+    report = run_bench(
+        BenchConfig(
+            target=target,
+            drafts=drafts,
+            data=data,
+            out=out,
+            n=n,
+            repeats=repeats,
+            max_tokens=max_tokens,
+            draft_max=draft_max,
+            draft_p_min=draft_p_min,
+            adaptive=adaptive,
+            threads=threads,
+            exact=exact,
+        )
+    )
+    console.print((out / "report.md").read_text())
+    del report
+
+
 @app.command()
 def plan(
     model: Annotated[Path, typer.Option(help="A model folder or an HF config.json (no weights needed).")],

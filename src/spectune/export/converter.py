@@ -97,6 +97,8 @@ def declared_pre_tokenizer(model_dir: Path) -> str | None:
 
 def run_converter(model_dir: Path, out_file: Path, outtype: str) -> None:
     """Run convert_hf_to_gguf.py in a subprocess, writing `out_file` (the caller makes that atomic)."""
+    if not any((model_dir / name).is_file() for name in ("tokenizer.json", "tokenizer.model")):
+        raise SpectuneError(f"{model_dir}: no tokenizer.json or tokenizer.model (the GGUF needs the tokenizer)")
     folder = converter_dir()
     command = [
         sys.executable,
@@ -111,6 +113,23 @@ def run_converter(model_dir: Path, out_file: Path, outtype: str) -> None:
         outtype,
     ]
     result = subprocess.run(command, capture_output=True, text=True)
+    if result.returncode != 0 and "not supported!" in result.stderr:
+        config = json.loads((model_dir / "config.json").read_text())
+        listing = (
+            subprocess.run(
+                [sys.executable, "-m", "spectune.export._run_converter", str(folder), "", "--print-supported-models"],
+                capture_output=True,
+                text=True,
+            ).stdout
+            + result.stdout
+        )
+        names = sorted(
+            {line.strip("- ").strip() for line in listing.splitlines() if line.strip().endswith("ForCausalLM")}
+        )
+        raise SpectuneError(
+            f"{model_dir}: architecture {config.get('architectures')} is not supported by llama.cpp's "
+            f"converter; it supports e.g. {', '.join(names[:40])} ({len(names)} causal LMs)"
+        )
     if result.returncode != 0:
         tail = "\n".join(result.stderr.strip().splitlines()[-12:])
         raise SpectuneError(f"llama.cpp's converter failed on {model_dir}:\n{tail}")

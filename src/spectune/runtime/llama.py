@@ -11,6 +11,7 @@ from __future__ import annotations
 import ctypes
 import os
 import weakref
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -63,6 +64,8 @@ class LlamaModel:
             raise SpectuneError(f"{self.path}: llama.cpp could not load this GGUF")
         self.vocab = llama_cpp.llama_model_get_vocab(self.model)
         self.n_vocab = llama_cpp.llama_vocab_n_tokens(self.vocab)
+        self.bos = llama_cpp.llama_vocab_bos(self.vocab)
+        self.eos = llama_cpp.llama_vocab_eos(self.vocab)
         self.threads = thread_count(threads)
         context_params = llama_cpp.llama_context_default_params()
         context_params.n_ctx = n_ctx
@@ -139,3 +142,44 @@ class LlamaModel:
     def truncate(self, length: int) -> None:
         """Forget every cached position >= `length` (roll back rejected draft tokens)."""
         self.lib.llama_memory_seq_rm(self.memory, 0, length, -1)
+
+
+@dataclass
+class VocabInfo:
+    """What llama.cpp checks before it accepts two models as a speculative pair."""
+
+    path: Path
+    vocab_type: int
+    n_tokens: int
+    bos: int
+    eos: int
+    add_bos: bool
+    add_eos: bool
+    texts: list[bytes]
+
+
+def read_vocab(path: str | Path) -> VocabInfo:
+    """Load only the vocabulary of a GGUF (no weights)."""
+    import llama_cpp
+
+    init_backend()
+    params = llama_cpp.llama_model_default_params()
+    params.vocab_only = True
+    model = llama_cpp.llama_model_load_from_file(str(path).encode(), params)
+    if not model:
+        raise SpectuneError(f"{path}: llama.cpp could not load this GGUF")
+    try:
+        vocab = llama_cpp.llama_model_get_vocab(model)
+        count = llama_cpp.llama_vocab_n_tokens(vocab)
+        return VocabInfo(
+            path=Path(path),
+            vocab_type=llama_cpp.llama_vocab_type(vocab),
+            n_tokens=count,
+            bos=llama_cpp.llama_vocab_bos(vocab),
+            eos=llama_cpp.llama_vocab_eos(vocab),
+            add_bos=bool(llama_cpp.llama_vocab_get_add_bos(vocab)),
+            add_eos=bool(llama_cpp.llama_vocab_get_add_eos(vocab)),
+            texts=[llama_cpp.llama_vocab_get_text(vocab, i) or b"" for i in range(count)],
+        )
+    finally:
+        llama_cpp.llama_model_free(model)

@@ -1,0 +1,1 @@
+"""Benchmarks: side-by-side measurement and the report."""
