@@ -48,3 +48,51 @@ def demo_data(tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("data") / "demo.jsonl"
     write_jsonl(generate_dialogues(300, seed=0), path)
     return path
+
+
+TRAIN = {"batch_size": 8, "max_tokens": 256, "max_eval": 16}
+
+
+@pytest.fixture(scope="session")
+def tuned_target(micro_pair, demo_data, tmp_path_factory) -> Path:
+    """The micro target after QLoRA on the demo data, merged (an HF folder)."""
+    from spectune.train.target import FinetuneConfig, finetune, merge
+
+    out = tmp_path_factory.mktemp("target")
+    result = finetune(
+        FinetuneConfig(model=micro_pair / "target", data=demo_data, out=out, max_steps=100, lr=5e-3, **TRAIN)
+    )
+    return merge(micro_pair / "target", result.adapter, out / "merged").model
+
+
+@pytest.fixture(scope="session")
+def sft_draft(micro_pair, tuned_target, demo_data, tmp_path_factory) -> Path:
+    """The micro draft fine-tuned on the same data (the reference story's method)."""
+    from spectune.train.draft import DraftConfig, train_draft
+
+    out = tmp_path_factory.mktemp("sft")
+    config = DraftConfig(
+        target=tuned_target,
+        draft=micro_pair / "draft",
+        data=demo_data,
+        out=out,
+        method="sft",
+        max_steps=60,
+        lr=3e-3,
+        **TRAIN,
+    )
+    return train_draft(config).model
+
+
+def swap_two_tokens(folder: Path, out: Path) -> Path:
+    """A copy of a model folder whose tokenizer has tokens 300 and 301 swapped: an incompatible draft."""
+    import json
+    import shutil
+
+    shutil.copytree(folder, out)
+    tokenizer = json.loads((out / "tokenizer.json").read_text())
+    vocab = tokenizer["model"]["vocab"]
+    first, second = sorted(vocab, key=vocab.get)[300:302]
+    vocab[first], vocab[second] = vocab[second], vocab[first]
+    (out / "tokenizer.json").write_text(json.dumps(tokenizer))
+    return out

@@ -2,34 +2,25 @@
 
 from __future__ import annotations
 
+import json
 import random
 
 import pytest
 import torch
-from conftest import run_cli
+from conftest import run_cli, swap_two_tokens
 
 from spectune.errors import SpectuneError
 from spectune.speedup import expected_tokens, speedup
 from spectune.train.acceptance import run_acceptance, simulate_tau
-from spectune.train.draft import DraftConfig, divergence_loss, train_draft
-from spectune.train.target import FinetuneConfig, finetune, merge
+from spectune.train.draft import DraftConfig, DraftResult, divergence_loss, train_draft
 
 STEPS = {"batch_size": 8, "max_tokens": 256, "max_eval": 16}
 
 
 @pytest.fixture(scope="module")
-def tuned_target(micro_pair, demo_data, tmp_path_factory):
-    out = tmp_path_factory.mktemp("target")
-    result = finetune(
-        FinetuneConfig(model=micro_pair / "target", data=demo_data, out=out, max_steps=100, lr=5e-3, **STEPS)
-    )
-    return merge(micro_pair / "target", result.adapter, out / "merged").model
-
-
-@pytest.fixture(scope="module")
-def drafts(micro_pair, tuned_target, demo_data, tmp_path_factory):
+def drafts(micro_pair, tuned_target, sft_draft, demo_data, tmp_path_factory):
     results = {}
-    for method, steps in (("sft", 40), ("kd", 20), ("onpolicy", 20)):
+    for method, steps in (("kd", 20), ("onpolicy", 20)):
         out = tmp_path_factory.mktemp(method)
         results[method] = train_draft(
             DraftConfig(
@@ -44,6 +35,7 @@ def drafts(micro_pair, tuned_target, demo_data, tmp_path_factory):
                 **STEPS,
             )
         )
+    results["sft"] = DraftResult.model_validate(json.loads((sft_draft.parent / "draft.json").read_text())["result"])
     return results
 
 
@@ -109,16 +101,8 @@ def test_divergences():
 
 
 def test_a_draft_with_another_tokenizer_is_refused(micro_pair, demo_data, tmp_path):
-    import json
-    import shutil
 
-    other = tmp_path / "other"
-    shutil.copytree(micro_pair / "draft", other)
-    tokenizer = json.loads((other / "tokenizer.json").read_text())
-    vocab = tokenizer["model"]["vocab"]
-    first, second = sorted(vocab, key=vocab.get)[300:302]
-    vocab[first], vocab[second] = vocab[second], vocab[first]
-    (other / "tokenizer.json").write_text(json.dumps(tokenizer))
+    other = swap_two_tokens(micro_pair / "draft", tmp_path / "other")
     with pytest.raises(SpectuneError, match="do not share a tokenizer"):
         train_draft(DraftConfig(target=micro_pair / "target", draft=other, data=demo_data, out=tmp_path / "o"))
 

@@ -113,23 +113,20 @@ def run_converter(model_dir: Path, out_file: Path, outtype: str) -> None:
         outtype,
     ]
     result = subprocess.run(command, capture_output=True, text=True)
-    if result.returncode != 0 and "not supported!" in result.stderr:
+    if result.returncode != 0 and "not supported" in result.stderr:
         config = json.loads((model_dir / "config.json").read_text())
-        listing = (
-            subprocess.run(
-                [sys.executable, "-m", "spectune.export._run_converter", str(folder), "", "--print-supported-models"],
-                capture_output=True,
-                text=True,
-            ).stdout
-            + result.stdout
-        )
-        names = sorted(
-            {line.strip("- ").strip() for line in listing.splitlines() if line.strip().endswith("ForCausalLM")}
-        )
         raise SpectuneError(
-            f"{model_dir}: architecture {config.get('architectures')} is not supported by llama.cpp's "
-            f"converter; it supports e.g. {', '.join(names[:40])} ({len(names)} causal LMs)"
+            f"{model_dir}: architecture {config.get('architectures')} is not supported by llama.cpp's converter; "
+            f"it converts: {', '.join(supported_text_models(folder))}"
         )
     if result.returncode != 0:
         tail = "\n".join(result.stderr.strip().splitlines()[-12:])
         raise SpectuneError(f"llama.cpp's converter failed on {model_dir}:\n{tail}")
+
+
+def supported_text_models(folder: Path) -> list[str]:
+    """The text architectures the converter knows (its --print-supported-models, which logs to stderr)."""
+    command = [sys.executable, "-m", "spectune.export._run_converter", str(folder), "", "--print-supported-models"]
+    listing = subprocess.run(command, capture_output=True, text=True).stderr
+    text_part = listing.split("TEXT models:", 1)[-1].split("models:", 1)[0]
+    return [line.strip()[2:] for line in text_part.splitlines() if line.strip().startswith("- ")]

@@ -29,6 +29,9 @@ def init_backend(exact: bool = True) -> None:
 
     if exact:
         os.environ["GGML_CPU_TILED_MM"] = "0"  # read by ggml when a matmul is first planned
+    if not _backend_ready and os.environ.get("SPECTUNE_LLAMA_LOG"):  # debugging: keep llama.cpp's own log
+        llama_cpp.llama_backend_init()
+        _backend_ready = True
     if not _backend_ready:
         llama_cpp.llama_backend_init()
         _silence = llama_cpp.llama_log_callback(lambda level, text, data: None)
@@ -78,7 +81,8 @@ class LlamaModel:
         if not self.ctx:
             raise SpectuneError(f"{self.path}: llama.cpp could not create a context of {n_ctx} tokens")
         self.n_ctx = llama_cpp.llama_n_ctx(self.ctx)
-        self.n_batch = n_batch
+        # llama.cpp clamps the batch to the context: chunk by what it really took.
+        self.n_batch = min(llama_cpp.llama_n_batch(self.ctx), llama_cpp.llama_n_ubatch(self.ctx))
         self.batch = llama_cpp.llama_batch_init(n_batch, 0, 1)
         self.memory = llama_cpp.llama_get_memory(self.ctx)
 

@@ -96,10 +96,10 @@ class SpeculativeDecoder:
     """Target alone (draft None or draft_max 0) or target + draft, one sequence at a time."""
 
     def __init__(self, target: LlamaModel, draft: LlamaModel | None = None) -> None:
-        if draft is not None and draft.n_vocab != target.n_vocab:
+        if draft is not None:
             from spectune.export.pair import check_pair
 
-            check_pair(target.path, draft.path)  # raises with the first mismatch
+            check_pair(target.path, draft.path)  # llama.cpp's own pair rules; raises with the first mismatch
         self.target, self.draft = target, draft
         self.draft_cache: list[int] = []  # tokens whose KV the draft holds
 

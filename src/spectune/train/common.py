@@ -61,14 +61,15 @@ def read_split(config: TrainConfig) -> tuple[list[Dialogue], list[Dialogue]]:
     return split.train, split.eval[: config.max_eval]
 
 
-def load_task_data(tokenizer: Any, config: TrainConfig, train: list[Dialogue] | None = None) -> TaskData:
+def load_task_data(
+    tokenizer: Any, config: TrainConfig, split: tuple[list[Dialogue], list[Dialogue]] | None = None
+) -> TaskData:
     """Render train/eval dialogues with the chat template; mask everything but assistant tokens.
-    `train` replaces the training dialogues (e.g. with the target's own answers)."""
+    `split` replaces the (train, eval) dialogues (e.g. with the target's own answers)."""
     import datasets
 
     data, eval_data, max_tokens = config.data, config.eval_data, config.max_tokens
-    read_train, held_out = read_split(config)
-    train = read_train if train is None else train
+    train, held_out = split or read_split(config)
     rendered_train, stats = render_all(tokenizer, [d.messages for d in train], max_tokens)
     rendered_eval, _ = render_all(tokenizer, [d.messages for d in held_out], max_tokens)
     if stats.truncated or stats.dropped:

@@ -163,13 +163,13 @@ def train_draft(config: DraftConfig) -> DraftResult:
     if target_tokenizer.get_vocab() != tokenizer.get_vocab():
         raise SpectuneError(f"{config.draft} and {config.target} do not share a tokenizer: a draft must")
     set_seed(config.seed)
-    train_dialogues = None
+    split = None
     teacher = None
     if config.method in ("kd", "onpolicy"):
         teacher = _load_causal_lm(config.target).eval()
-    if config.method == "onpolicy":
-        train_dialogues = target_answers(teacher, tokenizer, read_split(config)[0], config.max_new_tokens)
-    data = load_task_data(tokenizer, config, train=train_dialogues)
+    if config.method == "onpolicy":  # train and evaluate on what the target itself says
+        split = tuple(target_answers(teacher, tokenizer, part, config.max_new_tokens) for part in read_split(config))
+    data = load_task_data(tokenizer, config, split)
     model = _load_causal_lm(config.draft)
     trainer_class = (
         distillation_trainer(teacher, config.divergence, config.temperature) if config.method == "kd" else SFTTrainer

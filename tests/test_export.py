@@ -1,0 +1,100 @@
+"""Export: GGUF conversion and quantization, pair checks, fidelity, atomic writes, bad inputs."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+from conftest import run_cli, swap_two_tokens
+
+from spectune.errors import SpectuneError
+from spectune.export.gguf import convert, export_model
+from spectune.export.pair import check_pair, export_pair, fidelity
+from spectune.runtime.llama import LlamaModel
+
+
+@pytest.fixture(scope="module")
+def exported(tuned_target, sft_draft, demo_data, tmp_path_factory):
+    from spectune.data.read import read_dialogues
+    from spectune.models.load import load_tokenizer
+
+    tokenizer = load_tokenizer(tuned_target)
+    texts = [tokenizer.apply_chat_template(d.messages, tokenize=False) for d in read_dialogues(demo_data).dialogues[:6]]
+    out = tmp_path_factory.mktemp("pair")
+    return export_pair(tuned_target, sft_draft, out, "Q4_K_M", texts), out
+
+
+def test_export_pair_checks_and_reports(exported):
+    report, out = exported
+    for role in ("target", "draft"):
+        entry = report["models"][role]
+        assert entry["bytes"] < entry["f16_bytes"]  # 4 bits is smaller than 16
+        assert entry["tokenizer_strings_checked"] == 2000
+        assert entry["fidelity"]["top1_agreement"] > 0.9
+        assert entry["fidelity"]["perplexity_gguf"] < 1.2 * entry["fidelity"]["perplexity_hf"]
+    assert report["pair"]["target_tokens"] == report["pair"]["draft_tokens"]
+    assert "--spec-type draft-simple" in (out / "llama-server.sh").read_text()
+    assert json.loads((out / "export.json").read_text())["quant"] == "Q4_K_M"
+
+
+def test_q4_k_m_loads_and_generates(exported):
+    from spectune.runtime.speculative import SamplingConfig, SpeculativeDecoder
+
+    _, out = exported
+    model = LlamaModel(out / "target.Q4_K_M.gguf", n_ctx=256, threads=1)
+    tokens, stats = SpeculativeDecoder(model).generate(
+        model.tokenize("<|im_start|>user\nHi<|im_end|>\n"), SamplingConfig(max_tokens=8)
+    )
+    assert stats.generated == len(tokens) > 0
+
+
+def test_f32_fidelity_is_exact(tuned_target, tmp_path):
+    gguf = convert(tuned_target, tmp_path / "t.f32.gguf", "F32")
+    result = fidelity(tuned_target, gguf, ["<|im_start|>user\nWhere is my order?<|im_end|>\n<|im_start|>assistant\n"])
+    assert result["top1_agreement"] == 1.0
+    assert result["perplexity_gguf"] == pytest.approx(result["perplexity_hf"], rel=1e-3)
+
+
+def test_pair_with_a_modified_vocabulary_is_refused(exported, sft_draft, tmp_path):
+    _, out = exported
+    other = swap_two_tokens(sft_draft, tmp_path / "other")
+    modified = convert(other, tmp_path / "other.gguf", "F16")
+    with pytest.raises(SpectuneError, match="token 300 differs") as caught:
+        check_pair(out / "target.Q4_K_M.gguf", modified)
+    assert "target b'" in str(caught.value) and "draft b'" in str(caught.value)  # both texts are shown
+    check_pair(out / "target.Q4_K_M.gguf", out / "draft.Q4_K_M.gguf")  # the real pair passes
+
+
+def test_interrupted_export_leaves_no_final_file(sft_draft, tmp_path, monkeypatch):
+    import llama_cpp
+
+    def crash(source, destination, params):
+        with open(destination, "wb") as handle:
+            handle.write(b"GGUF partial")
+        raise KeyboardInterrupt  # Ctrl-C in the middle of quantization
+
+    monkeypatch.setattr(llama_cpp, "llama_model_quantize", crash)
+    final = tmp_path / "draft.Q4_K_M.gguf"
+    with pytest.raises(KeyboardInterrupt):
+        export_model(sft_draft, final, "Q4_K_M")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_bad_inputs(sft_draft, tmp_path, capsys):
+    with pytest.raises(SpectuneError, match=r"unknown quant type 'Q3_X'"):
+        export_model(sft_draft, tmp_path / "x.gguf", "Q3_X")
+    no_tokenizer = tmp_path / "no_tokenizer"
+    shutil.copytree(sft_draft, no_tokenizer)
+    (no_tokenizer / "tokenizer.json").unlink()
+    with pytest.raises(SpectuneError, match=r"no tokenizer\.json or tokenizer\.model"):
+        export_model(no_tokenizer, tmp_path / "x.gguf", "F16")
+    alien = tmp_path / "alien"
+    shutil.copytree(sft_draft, alien)
+    config = json.loads((alien / "config.json").read_text())
+    config["architectures"] = ["TotallyNewForCausalLM"]
+    (alien / "config.json").write_text(json.dumps(config))
+    with pytest.raises(SpectuneError, match=r"TotallyNewForCausalLM.*not supported.*LlamaForCausalLM"):
+        export_model(alien, tmp_path / "x.gguf", "F16")
+    assert not (tmp_path / "x.gguf").exists()
+    assert run_cli("export", "--model", str(tmp_path / "absent"), "--out", str(tmp_path / "y.gguf")) == 2

@@ -1,0 +1,179 @@
+"""The speculative decoder on llama.cpp: identical greedy answers, exact sampling, stats, context limits, bench."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+
+import numpy as np
+import pytest
+from conftest import swap_two_tokens
+
+from spectune.data.prepare import extract_prompts
+from spectune.data.read import read_dialogues
+from spectune.errors import SpectuneError
+from spectune.export.gguf import convert, export_model
+from spectune.runtime.chat import chat_prompt
+from spectune.runtime.llama import LlamaModel
+from spectune.runtime.speculative import SamplingConfig, SpeculativeDecoder
+
+QUANTS = ("F32", "F16", "Q8_0", "Q4_K_M")
+
+
+@pytest.fixture(scope="module")
+def ggufs(tuned_target, sft_draft, tmp_path_factory):
+    folder = tmp_path_factory.mktemp("ggufs")
+    return {
+        quant: {
+            role: export_model(source, folder / f"{role}.{quant}.gguf", quant)
+            for role, source in (("target", tuned_target), ("draft", sft_draft))
+        }
+        for quant in QUANTS
+    }
+
+
+@pytest.fixture(scope="module")
+def prompts(demo_data):
+    return extract_prompts(read_dialogues(demo_data).dialogues, 16, seed=5)
+
+
+def load(path, n_ctx=512):
+    return LlamaModel(path, n_ctx=n_ctx, threads=1, exact=True)
+
+
+@pytest.mark.parametrize("quant", QUANTS)
+def test_greedy_speculative_output_equals_the_target_alone(ggufs, prompts, quant):
+    target, draft = load(ggufs[quant]["target"]), load(ggufs[quant]["draft"])
+    plain, speculative = SpeculativeDecoder(target), SpeculativeDecoder(target, draft)
+    config = SamplingConfig(max_tokens=40, draft_max=5)
+    accepted = 0
+    for prompt in prompts:
+        ids = target.tokenize(chat_prompt(target, prompt.messages))
+        expected, _ = plain.generate(ids, config)
+        got, stats = speculative.generate(ids, config)
+        assert got == expected, (quant, prompt.messages[-1])
+        accepted += stats.accepted
+        # Invariants of the loop.
+        assert stats.accepted <= stats.drafted
+        assert stats.produced == stats.accepted + stats.verify_steps
+        assert stats.generated <= stats.produced
+        assert sum(stats.accepted_at) == stats.accepted and sum(stats.drafted_at) == stats.drafted
+        assert all(a <= d for a, d in zip(stats.accepted_at, stats.drafted_at, strict=True))
+        assert stats.draft_seconds > 0 and stats.verify_seconds > 0 and stats.ttft_seconds > 0
+    assert accepted > 0  # the draft does get tokens accepted
+
+
+def test_k0_and_no_draft_equal_plain_decoding(ggufs, prompts):
+    target, draft = load(ggufs["Q8_0"]["target"]), load(ggufs["Q8_0"]["draft"])
+    ids = target.tokenize(chat_prompt(target, prompts[0].messages))
+    expected, plain_stats = SpeculativeDecoder(target).generate(ids, SamplingConfig(max_tokens=30))
+    got, stats = SpeculativeDecoder(target, draft).generate(ids, SamplingConfig(max_tokens=30, draft_max=0))
+    assert got == expected and stats.drafted == 0 and stats.verify_steps == plain_stats.verify_steps
+
+
+def test_p_min_and_adaptive_k_keep_the_output(ggufs, prompts):
+    target, draft = load(ggufs["F16"]["target"]), load(ggufs["F16"]["draft"])
+    plain, speculative = SpeculativeDecoder(target), SpeculativeDecoder(target, draft)
+    for prompt in prompts[:6]:
+        ids = target.tokenize(chat_prompt(target, prompt.messages))
+        expected, _ = plain.generate(ids, SamplingConfig(max_tokens=30))
+        cut, cut_stats = speculative.generate(ids, SamplingConfig(max_tokens=30, draft_max=6, draft_p_min=0.9))
+        adaptive, _ = speculative.generate(ids, SamplingConfig(max_tokens=30, draft_max=6, adaptive=True))
+        assert cut == expected and adaptive == expected
+        assert all(d <= cut_stats.verify_steps for d in cut_stats.drafted_at)
+
+
+def test_end_of_context_stops_without_crashing(ggufs, prompts):
+    target, draft = load(ggufs["F32"]["target"], n_ctx=64), load(ggufs["F32"]["draft"], n_ctx=64)
+    n_ctx = target.n_ctx  # llama.cpp may round the context up
+    filler = target.tokenize(chat_prompt(target, prompts[0].messages))
+    ids = (filler * (n_ctx // len(filler) + 1))[: n_ctx - 10]
+    config = SamplingConfig(max_tokens=200, draft_max=8)
+    expected, _ = SpeculativeDecoder(target).generate(ids, config)
+    got, stats = SpeculativeDecoder(target, draft).generate(ids, config)
+    assert got == expected
+    assert len(ids) + len(got) <= n_ctx
+    assert stats.finish_reason in ("length", "stop")
+    with pytest.raises(SpectuneError, match="does not fit the context"):
+        SpeculativeDecoder(target).generate(filler * (n_ctx // len(filler) + 1), config)
+
+
+def test_stop_strings_and_max_tokens(ggufs, prompts):
+    target = load(ggufs["F16"]["target"])
+    decoder = SpeculativeDecoder(target, load(ggufs["F16"]["draft"]))
+    ids = target.tokenize(chat_prompt(target, prompts[1].messages))
+    full, _ = decoder.generate(ids, SamplingConfig(max_tokens=30))
+    short, stats = decoder.generate(ids, SamplingConfig(max_tokens=3))
+    assert short == full[:3] and stats.finish_reason == "length"
+    text = target.detokenize(full)
+    if len(text) > 4:
+        stop = text[2:4]
+        cut, cut_stats = decoder.generate(ids, SamplingConfig(max_tokens=30, stop=[stop]))
+        assert stop not in target.detokenize(cut) and cut_stats.finish_reason == "stop"
+        assert text.startswith(target.detokenize(cut))
+
+
+def test_speculative_sampling_keeps_the_target_distribution(ggufs):
+    """Unit level: propose d ~ q, verify against p; the output token must be distributed as p."""
+    target, draft = load(ggufs["F32"]["target"]), load(ggufs["F32"]["draft"])
+    decoder = SpeculativeDecoder(target, draft)
+    rng = np.random.default_rng(0)
+    config = SamplingConfig(temperature=1.0)
+    vocab = 6
+    p_logits = np.log(np.array([0.4, 0.25, 0.15, 0.1, 0.07, 0.03]))
+    q = np.array([0.1, 0.1, 0.5, 0.1, 0.1, 0.1])
+    counts = Counter()
+    trials = 40000
+    for _ in range(trials):
+        proposal = int(rng.choice(vocab, p=q))
+        rows = np.stack([p_logits, p_logits])
+        accepted, own = decoder._verify(rows, [proposal], [q], config, rng)
+        counts[proposal if accepted == 1 else own] += 1
+    empirical = np.array([counts[i] / trials for i in range(vocab)])
+    assert np.abs(empirical - np.exp(p_logits)).sum() / 2 < 0.01
+
+
+def test_speculative_sampling_end_to_end_matches_plain_sampling(ggufs, prompts):
+    target, draft = load(ggufs["F32"]["target"]), load(ggufs["F32"]["draft"])
+    plain, speculative = SpeculativeDecoder(target), SpeculativeDecoder(target, draft)
+    ids = target.tokenize(chat_prompt(target, prompts[2].messages))
+    first_plain, first_spec = Counter(), Counter()
+    runs = 300
+    for seed in range(runs):
+        config = SamplingConfig(max_tokens=2, temperature=1.0, top_k=8, seed=seed, draft_max=1)
+        first_plain[plain.generate(ids, config)[0][0]] += 1
+        first_spec[speculative.generate(ids, config)[0][0]] += 1
+    tokens = set(first_plain) | set(first_spec)
+    distance = sum(abs(first_plain[t] - first_spec[t]) for t in tokens) / (2 * runs)
+    assert distance < 0.12, (first_plain.most_common(5), first_spec.most_common(5))
+
+
+def test_an_incompatible_pair_is_refused(ggufs, sft_draft, tmp_path):
+    other = convert(swap_two_tokens(sft_draft, tmp_path / "other"), tmp_path / "other.gguf", "F16")
+    with pytest.raises(SpectuneError, match="token 300 differs"):
+        SpeculativeDecoder(load(ggufs["F16"]["target"]), load(other))
+
+
+def test_bench_writes_its_report(ggufs, demo_data, tmp_path):
+    from spectune.bench.run import BenchConfig, bench
+
+    config = BenchConfig(
+        target=ggufs["Q4_K_M"]["target"],
+        drafts={"sft": ggufs["Q4_K_M"]["draft"]},
+        data=demo_data,
+        out=tmp_path / "bench",
+        n=3,
+        repeats=1,
+        max_tokens=24,
+        draft_max=4,
+        threads=1,
+    )
+    report = bench(config)
+    summary = report["summary"]["sft"]
+    assert summary["n"] == 3 and summary["identical"] == 3 and summary["exact"] is True
+    assert summary["worst_speedup"] <= summary["mean_speedup"] <= summary["best_speedup"]
+    assert summary["cost_ratio"] > 0 and summary["verify_ratio"] >= 1.0 - 0.5
+    assert summary["predicted_speedup_gpu"] > 0 and summary["mean_accepted_len"] >= 1.0
+    for name in ("report.json", "report.md", "report.png"):
+        assert (tmp_path / "bench" / name).stat().st_size > 0
+    assert json.loads((tmp_path / "bench" / "report.json").read_text())["settings"]["n"] == 3
