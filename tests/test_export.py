@@ -33,7 +33,7 @@ def test_export_pair_checks_and_reports(exported):
         assert entry["tokenizer_strings_checked"] == 2000
         assert entry["fidelity"]["top1_agreement"] > 0.9
         assert entry["fidelity"]["perplexity_gguf"] < 1.2 * entry["fidelity"]["perplexity_hf"]
-    assert report["pair"]["target_tokens"] == report["pair"]["draft_tokens"]
+    assert report["pairs"]["draft"]["target_tokens"] == report["pairs"]["draft"]["draft_tokens"]
     assert "--spec-type draft-simple" in (out / "llama-server.sh").read_text()
     assert json.loads((out / "export.json").read_text())["quant"] == "Q4_K_M"
 

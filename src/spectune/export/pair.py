@@ -178,39 +178,52 @@ def server_command(target: Path, draft: Path, threads: int, draft_max: int = 8) 
     )
 
 
+def export_checked(folder: Path, out_file: Path, quant: str, eval_texts: list[str] | None, keep_f16: bool) -> dict:
+    """Export one model, check llama.cpp tokenizes like HF, and (given texts) measure fidelity."""
+    from spectune.export.gguf import export_model
+    from spectune.models.load import check_model_dir, load_tokenizer
+
+    check_model_dir(folder)
+    export_model(folder, out_file, quant, keep_f16=keep_f16)
+    entry: dict[str, Any] = {
+        "gguf": str(out_file),
+        "bytes": out_file.stat().st_size,
+        "tokenizer_strings_checked": check_tokenizer(load_tokenizer(folder), out_file),
+    }
+    f16 = out_file.with_name(out_file.stem + ".f16.gguf")
+    if f16.is_file():
+        entry["f16_bytes"] = f16.stat().st_size
+    if eval_texts:
+        entry["fidelity"] = fidelity(folder, out_file, eval_texts)
+    return entry
+
+
 def export_pair(
     target_dir: Path,
-    draft_dir: Path,
+    draft_dirs: dict[str, Path] | Path,
     out_dir: Path,
     quant: str = "Q4_K_M",
     eval_texts: list[str] | None = None,
     keep_f16: bool = True,
 ) -> dict[str, Any]:
-    """Export target and draft to `quant`, check the pair and the tokenizer, report fidelity and sizes."""
-    from spectune.export.gguf import check_quant, export_model
-    from spectune.models.load import check_model_dir, load_tokenizer
+    """Export the target and its draft(s) to `quant`, check each pair and the tokenizer, report fidelity."""
+    from spectune.export.gguf import check_quant
     from spectune.threads import thread_count
 
     quant = check_quant(quant)
-    report: dict[str, Any] = {"quant": quant, "models": {}}
-    files = {}
-    for role, folder in (("target", target_dir), ("draft", draft_dir)):
-        check_model_dir(folder)
-        files[role] = out_dir / f"{role}.{quant}.gguf"
-        export_model(folder, files[role], quant, keep_f16=keep_f16)
-        f16 = out_dir / f"{role}.{quant}.f16.gguf"
-        entry: dict[str, Any] = {
-            "gguf": str(files[role]),
-            "bytes": files[role].stat().st_size,
-            "tokenizer_strings_checked": check_tokenizer(load_tokenizer(folder), files[role]),
-        }
-        if f16.is_file():
-            entry["f16_bytes"] = f16.stat().st_size
-        if eval_texts:
-            entry["fidelity"] = fidelity(folder, files[role], eval_texts)
-        report["models"][role] = entry
-    report["pair"] = check_pair(files["target"], files["draft"])
-    report["llama_server"] = server_command(files["target"], files["draft"], thread_count())
+    drafts = draft_dirs if isinstance(draft_dirs, dict) else {"draft": draft_dirs}
+    target_file = out_dir / f"target.{quant}.gguf"
+    report: dict[str, Any] = {
+        "quant": quant,
+        "models": {"target": export_checked(target_dir, target_file, quant, eval_texts, keep_f16)},
+        "pairs": {},
+    }
+    for name, folder in drafts.items():
+        draft_file = out_dir / f"{name}.{quant}.gguf"
+        report["models"][name] = export_checked(folder, draft_file, quant, eval_texts, keep_f16)
+        report["pairs"][name] = check_pair(target_file, draft_file)
+    first = out_dir / f"{next(iter(drafts))}.{quant}.gguf"
+    report["llama_server"] = server_command(target_file, first, thread_count())
     with atomic_path(out_dir / "export.json") as tmp:
         tmp.write_text(json.dumps(report, indent=2))
     with atomic_path(out_dir / "llama-server.sh") as tmp:
