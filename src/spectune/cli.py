@@ -672,3 +672,7 @@ def main(argv: list[str] | None = None) -> None:
         # Plain print: rich would wrap long paths, and a user greps these lines.
         print(f"error: {exc}", file=sys.stderr)
         sys.exit(exc.exit_code)
+
+
+if __name__ == "__main__":  # `python -m spectune.cli`, e.g. under `accelerate launch -m`
+    main()

@@ -1,0 +1,103 @@
+"""End to end on the micro pair: every stage runs, the manifest is complete, a second run skips everything,
+an interrupted run resumes, and a broken config is refused with all its errors."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import yaml
+from conftest import run_cli
+
+from spectune.config import validate
+from spectune.errors import SpectuneError
+from spectune.pipeline import RunConfig, load_run_config, run_pipeline
+
+STAGES = ["data", "models", "finetune", "merge", "draft:sft", "acceptance", "export", "bench"]
+
+
+def micro_config(run_dir, models_dir) -> RunConfig:
+    values = {
+        "run_dir": str(run_dir),
+        "threads": 1,
+        "data": {"demo_dialogues": 200},
+        "models": {"size": "micro", "models_dir": str(models_dir)},
+        "finetune": {"max_steps": 20, "lr": 5e-3, "max_tokens": 192, "max_eval": 8},
+        "drafts": {"methods": ["sft"], "max_steps": 10, "lr": 3e-3, "max_tokens": 192, "max_eval": 8},
+        "acceptance": {"n": 3, "max_new_tokens": 16},
+        "export": {"fidelity_dialogues": 2},
+        "bench": {"n": 2, "repeats": 1, "max_tokens": 16, "draft_max": 4},
+    }
+    return validate(RunConfig, values, "test")
+
+
+def test_pipeline_runs_skips_and_resumes(micro_pair, tmp_path, monkeypatch):
+    config = micro_config(tmp_path / "run", micro_pair.parent)
+    import spectune.train.draft as draft_module
+
+    real_train_draft = draft_module.train_draft
+    calls = []
+
+    def interrupted(draft_config):
+        calls.append(draft_config.resume)
+        raise KeyboardInterrupt  # Ctrl-C in the middle of the draft stage
+
+    monkeypatch.setattr(draft_module, "train_draft", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        run_pipeline(config)
+    manifest = json.loads((tmp_path / "run" / "manifest.json").read_text())
+    assert manifest["stages"]["finetune"]["status"] == "done"
+    assert manifest["stages"]["draft:sft"]["status"] == "running"
+
+    import spectune.train.target as target_module
+
+    def must_not_run(*args, **kwargs):
+        raise AssertionError("a finished stage ran again")
+
+    monkeypatch.setattr(target_module, "finetune", must_not_run)
+    monkeypatch.setattr(draft_module, "train_draft", lambda c: calls.append(c.resume) or real_train_draft(c))
+    summary = run_pipeline(config)  # resumes at the unfinished stage
+    assert calls == [False, True]  # the interrupted stage continues from its checkpoint
+    manifest = json.loads((tmp_path / "run" / "manifest.json").read_text())
+    assert list(manifest["stages"]) == STAGES
+    assert all(stage["status"] == "done" and stage["seconds"] >= 0 for stage in manifest["stages"].values())
+    assert set(manifest["versions"]) >= {"torch", "transformers", "trl", "peft", "bitsandbytes", "llama-cpp-python"}
+    assert manifest["config"]["models"]["size"] == "micro"
+    assert "identical answers" in summary["line"] and "predicted on a GPU" in summary["line"]
+    assert summary["bench"]["sft"]["identical"] == 2
+    assert (tmp_path / "run" / "report.md").is_file()
+
+    monkeypatch.setattr(draft_module, "train_draft", must_not_run)
+    before = {name: stage["seconds"] for name, stage in manifest["stages"].items()}
+    import spectune.bench.run as bench_module
+
+    monkeypatch.setattr(bench_module, "bench", must_not_run)
+    run_pipeline(config)  # nothing changed: every stage is skipped
+    after = json.loads((tmp_path / "run" / "manifest.json").read_text())["stages"]
+    assert {name: stage["seconds"] for name, stage in after.items()} == before
+
+
+def test_a_broken_config_is_refused_with_every_error(tmp_path, capsys):
+    path = tmp_path / "run.yaml"
+    path.write_text(
+        yaml.safe_dump(
+            {
+                "data": {"path": str(tmp_path / "missing.jsonl")},
+                "finetune": {"lora_r": "big", "colour": "blue"},
+                "bench": {"n": 0},
+            }
+        )
+    )
+    with pytest.raises(SpectuneError) as caught:
+        load_run_config(path)
+    fields = {problem.field for problem in caught.value.problems}
+    assert {"finetune.lora_r", "finetune.colour", "bench.n"} <= fields
+    assert run_cli("run", str(path)) == 2
+    err = capsys.readouterr().err
+    assert "[finetune.lora_r]" in err and "[finetune.colour]" in err and "[bench.n]" in err
+    path.write_text(yaml.safe_dump({"data": {"path": str(tmp_path / "missing.jsonl")}}))
+    with pytest.raises(SpectuneError, match="no such file or folder"):
+        load_run_config(path)
+    path.write_text("data: [unclosed\n")
+    assert run_cli("run", str(path)) == 2
+    assert "invalid YAML" in capsys.readouterr().err
