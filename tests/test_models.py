@@ -4,55 +4,17 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import random
 
 import numpy as np
 import pytest
 import torch
 
 from spectune.export.gguf import convert
-from spectune.models.corpus import EMOJI, GREETINGS, generate_corpus
+from spectune.export.pair import tokenizer_strings
+from spectune.models.corpus import generate_corpus
 from spectune.models.load import load_tokenizer
 from spectune.models.world import RECIPES, Shape, build_pair, profile_pair, read_manifest
 from spectune.runtime.llama import LlamaModel
-
-
-def tokenizer_corpus(n: int, seed: int = 0) -> list[str]:
-    """Random strings mixing prose, code, digits, unicode, emoji, whitespace runs and chat markup."""
-    rng = random.Random(seed)
-    pieces = [
-        *generate_corpus(200, seed=99),
-        *GREETINGS,
-        *EMOJI,
-        "  ",
-        "\n\n\n",
-        "\t \t",
-        "   x",
-        "1234567890",
-        "3.14159",
-        "1,000,000",
-        "<|im_start|>user\nhi<|im_end|>\n",
-        "<|im_end|>",
-        "<|endoftext|>",
-        "don't",
-        "I'VE",
-        "ＡＢＣ",
-        "e\u0301",
-        "\u200d",
-        "😶\u200d🌫️",
-        "a  b   c",
-        " leading",
-        "trailing  ",
-        "x\r\ny",
-        "€£¥",
-        "ğüşöç",
-        "<|im_start|>assistant\n",
-    ]
-    separators = ["", " ", "  ", "\n", "\t", "<|im_end|>", "\n\n  "]
-    return [
-        "".join(rng.choice(pieces)[: rng.randint(1, 60)] + rng.choice(separators) for _ in range(rng.randint(1, 6)))
-        for _ in range(n)
-    ]
 
 
 @pytest.fixture(scope="session")
@@ -65,7 +27,7 @@ def test_llama_cpp_tokenizes_exactly_like_hf(micro_pair, micro_f32):
     hf = load_tokenizer(micro_pair / "target")
     model = LlamaModel(micro_f32, n_ctx=64, threads=1)
     assert model.metadata("tokenizer.ggml.pre") == "gpt-2"
-    strings = tokenizer_corpus(3000)
+    strings = tokenizer_strings(3000)
     mismatches = [s for s in strings if hf(s, add_special_tokens=False)["input_ids"] != model.tokenize(s)]
     assert mismatches == [], f"{len(mismatches)} of {len(strings)} differ, e.g. {mismatches[:3]!r}"
     # Round trip: llama.cpp's pieces rebuild the text.

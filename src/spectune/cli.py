@@ -247,27 +247,38 @@ def models_info(folder: Annotated[Path, typer.Argument(help="A built pair folder
 ConfigOpt = Annotated[Path | None, typer.Option("--config", help="YAML with these options; flags override it.")]
 
 
+EvalDataOpt = Annotated[Path | None, typer.Option(help="Held-out dataset (default: a split of --data).")]
+EpochsOpt = Annotated[float | None, typer.Option(help="Epochs over the data.")]
+MaxStepsOpt = Annotated[int | None, typer.Option(help="Stop after this many steps (overrides epochs).")]
+BatchOpt = Annotated[int | None, typer.Option(help="Dialogues per step.")]
+LrOpt = Annotated[float | None, typer.Option(help="Learning rate.")]
+MaxTokensOpt = Annotated[int | None, typer.Option(help="Longest sequence; longer dialogues are cut on turns.")]
+SaveStepsOpt = Annotated[int | None, typer.Option(help="Checkpoint every N steps.")]
+SeedOpt = Annotated[int | None, typer.Option(help="Seed (data split, init, order).")]
+ResumeOpt = Annotated[bool | None, typer.Option("--resume", help="Continue from the last complete checkpoint.")]
+
+
 @app.command()
 def finetune(
     model: Annotated[Path | None, typer.Option(help="Local HF model folder (the target).")] = None,
     data: Annotated[Path | None, typer.Option(help="Task dataset (chat JSONL or save_to_disk folder).")] = None,
     out: Annotated[Path | None, typer.Option(help="Output folder: adapter/, checkpoints/, finetune.json.")] = None,
     config: ConfigOpt = None,
-    eval_data: Annotated[Path | None, typer.Option(help="Held-out dataset (default: a split of --data).")] = None,
+    eval_data: EvalDataOpt = None,
     four_bit: Annotated[bool | None, typer.Option("--4bit/--no-4bit", help="QLoRA (NF4 base) or plain LoRA.")] = None,
     lora_r: Annotated[int | None, typer.Option(help="LoRA rank.")] = None,
     lora_alpha: Annotated[int | None, typer.Option(help="LoRA alpha.")] = None,
     lora_dropout: Annotated[float | None, typer.Option(help="LoRA dropout.")] = None,
-    epochs: Annotated[float | None, typer.Option(help="Epochs over the data.")] = None,
-    max_steps: Annotated[int | None, typer.Option(help="Stop after this many steps (overrides epochs).")] = None,
-    batch_size: Annotated[int | None, typer.Option(help="Dialogues per step.")] = None,
-    lr: Annotated[float | None, typer.Option(help="Learning rate.")] = None,
-    max_tokens: Annotated[int | None, typer.Option(help="Longest sequence; longer dialogues are cut on turns.")] = None,
-    save_steps: Annotated[int | None, typer.Option(help="Checkpoint every N steps.")] = None,
+    epochs: EpochsOpt = None,
+    max_steps: MaxStepsOpt = None,
+    batch_size: BatchOpt = None,
+    lr: LrOpt = None,
+    max_tokens: MaxTokensOpt = None,
+    save_steps: SaveStepsOpt = None,
     chat_template: Annotated[Path | None, typer.Option(help="Jinja chat template file, if the model has none.")] = None,
     system: SystemOpt = None,
-    seed: Annotated[int | None, typer.Option(help="Seed (data split, init, order).")] = None,
-    resume: Annotated[bool | None, typer.Option("--resume", help="Continue from the last complete checkpoint.")] = None,
+    seed: SeedOpt = None,
+    resume: ResumeOpt = None,
 ) -> None:
     """Fine-tune the target with QLoRA (4-bit NF4 base + LoRA adapter) on assistant tokens."""
     values = {key: value for key, value in locals().items() if key != "config"}
@@ -306,16 +317,16 @@ def draft(
     config: ConfigOpt = None,
     divergence: Annotated[str | None, typer.Option(help="kd loss: forward_kl | reverse_kl | jsd | tv.")] = None,
     temperature: Annotated[float | None, typer.Option(help="kd temperature.")] = None,
-    eval_data: Annotated[Path | None, typer.Option(help="Held-out dataset (default: a split of --data).")] = None,
-    epochs: Annotated[float | None, typer.Option(help="Epochs over the data.")] = None,
-    max_steps: Annotated[int | None, typer.Option(help="Stop after this many steps (overrides epochs).")] = None,
-    batch_size: Annotated[int | None, typer.Option(help="Dialogues per step.")] = None,
-    lr: Annotated[float | None, typer.Option(help="Learning rate.")] = None,
-    max_tokens: Annotated[int | None, typer.Option(help="Longest sequence; longer dialogues are cut on turns.")] = None,
-    save_steps: Annotated[int | None, typer.Option(help="Checkpoint every N steps.")] = None,
+    eval_data: EvalDataOpt = None,
+    epochs: EpochsOpt = None,
+    max_steps: MaxStepsOpt = None,
+    batch_size: BatchOpt = None,
+    lr: LrOpt = None,
+    max_tokens: MaxTokensOpt = None,
+    save_steps: SaveStepsOpt = None,
     system: SystemOpt = None,
-    seed: Annotated[int | None, typer.Option(help="Seed.")] = None,
-    resume: Annotated[bool | None, typer.Option("--resume", help="Continue from the last complete checkpoint.")] = None,
+    seed: SeedOpt = None,
+    resume: ResumeOpt = None,
 ) -> None:
     """Train a draft that thinks like the target: sft (same data), kd (distillation) or onpolicy."""
     values = {key: value for key, value in locals().items() if key not in ("config", "draft_model")}
@@ -445,6 +456,11 @@ ExactOpt = Annotated[
 ]
 
 
+DraftMaxOpt = Annotated[int, typer.Option(help="Draft length k.")]
+PMinOpt = Annotated[float, typer.Option(help="Stop drafting below this draft confidence.")]
+AdaptiveOpt = Annotated[bool, typer.Option(help="Adapt k to the running acceptance.")]
+
+
 @app.command()
 def generate(
     target: Annotated[Path, typer.Option(help="Target GGUF.")],
@@ -457,9 +473,9 @@ def generate(
     top_k: Annotated[int, typer.Option(help="Top-k (0 = off).")] = 0,
     top_p: Annotated[float, typer.Option(help="Top-p.")] = 1.0,
     seed: Annotated[int, typer.Option(help="Sampling seed.")] = 0,
-    draft_max: Annotated[int, typer.Option(help="Draft length k.")] = 8,
-    draft_p_min: Annotated[float, typer.Option(help="Stop drafting below this draft confidence.")] = 0.0,
-    adaptive: Annotated[bool, typer.Option(help="Adapt k to the running acceptance.")] = False,
+    draft_max: DraftMaxOpt = 8,
+    draft_p_min: PMinOpt = 0.0,
+    adaptive: AdaptiveOpt = False,
     threads: ThreadsOpt = None,
     exact: ExactOpt = True,
 ) -> None:
@@ -516,9 +532,9 @@ def bench(
     n: Annotated[int, typer.Option(help="Prompts.")] = 30,
     repeats: Annotated[int, typer.Option(help="Interleaved repeats per prompt (medians).")] = 3,
     max_tokens: Annotated[int, typer.Option(help="Longest answer.")] = 64,
-    draft_max: Annotated[int, typer.Option(help="Draft length k.")] = 8,
-    draft_p_min: Annotated[float, typer.Option(help="Stop drafting below this draft confidence.")] = 0.0,
-    adaptive: Annotated[bool, typer.Option(help="Adapt k to the running acceptance.")] = False,
+    draft_max: DraftMaxOpt = 8,
+    draft_p_min: PMinOpt = 0.0,
+    adaptive: AdaptiveOpt = False,
     threads: ThreadsOpt = None,
     exact: ExactOpt = True,
 ) -> None:

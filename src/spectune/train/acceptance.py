@@ -65,24 +65,9 @@ def simulate_tau(matches: list[list[bool]], k: int) -> tuple[float, Counter[int]
 
 def target_continuations(target: Any, tokenizer: Any, prompts: list, max_new_tokens: int) -> list[tuple[list, list]]:
     """(prompt ids, the target's greedy answer ids, end token included) for each prompt."""
-    import torch
+    from spectune.train.common import greedy_answer
 
-    pairs = []
-    for prompt in prompts:
-        text = tokenizer.apply_chat_template(prompt.messages, tokenize=False, add_generation_prompt=True)
-        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-        tensor = torch.tensor([ids])
-        with torch.no_grad():
-            out = target.generate(
-                tensor,
-                attention_mask=torch.ones_like(tensor),
-                max_new_tokens=max_new_tokens,
-                do_sample=False,
-                eos_token_id=tokenizer.eos_token_id,
-                pad_token_id=tokenizer.pad_token_id,
-            )
-        pairs.append((ids, out[0, len(ids) :].tolist()))
-    return pairs
+    return [greedy_answer(target, tokenizer, prompt.messages, max_new_tokens) for prompt in prompts]
 
 
 def teacher_forced(model: Any, prompt: list[int], answer: list[int]) -> Any:

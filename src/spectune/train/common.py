@@ -3,15 +3,19 @@ TRL/transformers trainer settings for this hardware, checkpoints, progress and p
 
 from __future__ import annotations
 
+import json
 import resource
 import time
-from dataclasses import dataclass
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 from rich.console import Console
 
+from spectune.atomic import atomic_path
 from spectune.data.prepare import split_dialogues
 from spectune.data.read import Dialogue, read_dialogues
 from spectune.data.render import RenderStats, render_all
@@ -159,3 +163,72 @@ class Timer:
 
     def __exit__(self, *exc: object) -> None:
         self.seconds = time.perf_counter() - self.start
+
+
+@contextmanager
+def out_of_memory_advice(config: TrainConfig) -> Iterator[None]:
+    """Turn an out-of-memory error into advice on which knob to turn."""
+    import torch
+
+    try:
+        yield
+    except (torch.OutOfMemoryError, MemoryError) as exc:
+        raise SpectuneError(
+            f"out of memory at batch_size {config.batch_size}, max_tokens {config.max_tokens}: lower --batch-size "
+            "(raise --grad-accum to keep the effective batch), lower --max-tokens, or turn on gradient "
+            "checkpointing (gradient_checkpointing: true); `spectune plan` estimates what fits. The last complete "
+            f"checkpoint, if any, is in {config.out / 'checkpoints'} (--resume continues from it)."
+        ) from exc
+
+
+@dataclass
+class TrainOutcome:
+    eval_loss_before: float
+    eval_loss_after: float
+    steps: int
+    seconds: float
+
+
+def train_and_save(trainer: Any, tokenizer: Any, config: TrainConfig, save_to: Path) -> TrainOutcome:
+    """Evaluate, train (from the last complete checkpoint with `resume`), evaluate; save atomically."""
+    resume_from = last_checkpoint(config.out) if config.resume else None
+    if config.resume and resume_from is None:
+        console.print("[yellow]--resume: no complete checkpoint yet, starting from the beginning[/]")
+    with Timer() as timer, out_of_memory_advice(config):
+        before = trainer.evaluate()["eval_loss"]
+        trainer.train(resume_from_checkpoint=str(resume_from) if resume_from else None)
+        after = trainer.evaluate()["eval_loss"]
+    with atomic_path(save_to) as tmp:
+        trainer.model.save_pretrained(str(tmp))
+        tokenizer.save_pretrained(str(tmp))
+    return TrainOutcome(before, after, trainer.state.global_step, round(timer.seconds, 2))
+
+
+def write_report(path: Path, config: BaseModel, result: BaseModel, data: TaskData) -> None:
+    """The stage's config, result and what rendering cut, as JSON (atomic)."""
+    report = {
+        "config": config.model_dump(mode="json"),
+        "result": result.model_dump(mode="json"),
+        "render": asdict(data.train_stats),
+    }
+    with atomic_path(path) as tmp:
+        tmp.write_text(json.dumps(report, indent=2, default=str))
+
+
+def greedy_answer(model: Any, tokenizer: Any, messages: list[dict[str, str]], max_new_tokens: int) -> tuple[list, list]:
+    """(prompt ids, the model's greedy answer ids up to and with its end token) after the chat `messages`."""
+    import torch
+
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    tensor = torch.tensor([ids])
+    with torch.no_grad():
+        out = model.generate(
+            tensor,
+            attention_mask=torch.ones_like(tensor),
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=tokenizer.pad_token_id,
+        )
+    return ids, out[0, len(ids) :].tolist()

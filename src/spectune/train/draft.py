@@ -13,27 +13,25 @@ Greedy speculative acceptance is 1 − TV(p, q) per token, so `tv` optimises acc
 
 from __future__ import annotations
 
-import json
-from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import BaseModel, Field
 
-from spectune.atomic import atomic_path
 from spectune.data.read import Dialogue
 from spectune.errors import SpectuneError
 from spectune.models.load import check_model_dir, load_tokenizer
 from spectune.train.common import (
-    Timer,
     TrainConfig,
     console,
     folder_bytes,
-    last_checkpoint,
+    greedy_answer,
     load_task_data,
     peak_memory_bytes,
     read_split,
+    train_and_save,
     trainer_settings,
+    write_report,
 )
 
 Method = Literal["sft", "kd", "onpolicy"]
@@ -118,32 +116,17 @@ def _load_causal_lm(path: Path) -> Any:
 
 def target_answers(target: Any, tokenizer: Any, dialogues: list[Dialogue], max_new_tokens: int) -> list[Dialogue]:
     """Each assistant turn replaced by the target's greedy answer to the dataset's context before it."""
-    import torch
     from rich.progress import track
 
     rewritten = []
-    end = tokenizer.eos_token_id
     for dialogue in track(dialogues, description="target answers (onpolicy)", transient=True):
         turns = []
         for index, turn in enumerate(dialogue.messages):
-            if turn["role"] != "assistant":
-                turns.append(turn)
-                continue
-            prompt = tokenizer.apply_chat_template(
-                dialogue.messages[:index], tokenize=False, add_generation_prompt=True
-            )
-            ids = torch.tensor([tokenizer(prompt, add_special_tokens=False)["input_ids"]])
-            with torch.no_grad():
-                out = target.generate(
-                    ids,
-                    attention_mask=torch.ones_like(ids),
-                    max_new_tokens=max_new_tokens,
-                    do_sample=False,
-                    eos_token_id=end,
-                    pad_token_id=tokenizer.pad_token_id,
-                )
-            answer = tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True).strip()
-            turns.append({"role": "assistant", "content": answer or turn["content"]})
+            if turn["role"] == "assistant":
+                _, answer_ids = greedy_answer(target, tokenizer, dialogue.messages[:index], max_new_tokens)
+                answer = tokenizer.decode(answer_ids, skip_special_tokens=True).strip()
+                turn = {"role": "assistant", "content": answer or turn["content"]}
+            turns.append(turn)
         rewritten.append(Dialogue(turns, dialogue.source, dialogue.line))
     return rewritten
 
@@ -185,38 +168,20 @@ def train_draft(config: DraftConfig) -> DraftResult:
         f"draft ({config.method}) from {config.draft}: {sum(p.numel() for p in model.parameters()):,} "
         f"parameters, {len(data.train)} dialogues, {data.trained_tokens:,} trained tokens"
     )
-    resume_from = last_checkpoint(config.out) if config.resume else None
-    with Timer() as timer:
-        before = trainer.evaluate()["eval_loss"]
-        trainer.train(resume_from_checkpoint=str(resume_from) if resume_from else None)
-        after = trainer.evaluate()["eval_loss"]
     out_model = config.out / "model"
-    with atomic_path(out_model) as tmp:
-        trainer.model.save_pretrained(str(tmp))
-        tokenizer.save_pretrained(str(tmp))
+    outcome = train_and_save(trainer, tokenizer, config, out_model)
     peak, _how = peak_memory_bytes()
     result = DraftResult(
         model=out_model,
         method=config.method,
-        eval_loss_before=before,
-        eval_loss_after=after,
-        steps=trainer.state.global_step,
+        eval_loss_before=outcome.eval_loss_before,
+        eval_loss_after=outcome.eval_loss_after,
+        steps=outcome.steps,
         train_dialogues=len(data.train),
         trained_tokens=data.trained_tokens,
-        seconds=round(timer.seconds, 2),
+        seconds=outcome.seconds,
         peak_memory_bytes=peak,
         model_bytes=folder_bytes(out_model),
     )
-    with atomic_path(config.out / "draft.json") as tmp:
-        tmp.write_text(
-            json.dumps(
-                {
-                    "config": config.model_dump(mode="json"),
-                    "result": result.model_dump(mode="json"),
-                    "render": asdict(data.train_stats),
-                },
-                indent=2,
-                default=str,
-            )
-        )
+    write_report(config.out / "draft.json", config, result, data)
     return result

@@ -5,10 +5,6 @@ reloaded in 16/32-bit, ready for GGUF export.
 
 from __future__ import annotations
 
-import json
-from collections.abc import Iterator
-from contextlib import contextmanager
-from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -18,15 +14,15 @@ from spectune.atomic import atomic_path
 from spectune.errors import SpectuneError
 from spectune.models.load import check_model_dir, load_tokenizer
 from spectune.train.common import (
-    Timer,
     TrainConfig,
     console,
     folder_bytes,
     has_cuda,
-    last_checkpoint,
     load_task_data,
     peak_memory_bytes,
+    train_and_save,
     trainer_settings,
+    write_report,
 )
 
 
@@ -146,17 +142,8 @@ def finetune(config: FinetuneConfig) -> FinetuneResult:
         f"parameters ({100 * trainable / total:.2f}%), {len(data.train)} dialogues, {steps} steps, "
         f"~{tokens_per_step:,.0f} trained tokens per step"
     )
-    resume_from = last_checkpoint(config.out) if config.resume else None
-    if config.resume and resume_from is None:
-        console.print("[yellow]--resume: no complete checkpoint yet, starting from the beginning[/]")
-    with Timer() as timer, out_of_memory_advice(config):
-        before = trainer.evaluate()["eval_loss"]
-        trainer.train(resume_from_checkpoint=str(resume_from) if resume_from else None)
-        after = trainer.evaluate()["eval_loss"]
     adapter = config.out / "adapter"
-    with atomic_path(adapter) as tmp:
-        trainer.model.save_pretrained(str(tmp))
-        tokenizer.save_pretrained(str(tmp))
+    outcome = train_and_save(trainer, tokenizer, config, adapter)
     peak, how = peak_memory_bytes()
     result = FinetuneResult(
         adapter=adapter,
@@ -164,44 +151,17 @@ def finetune(config: FinetuneConfig) -> FinetuneResult:
         total_parameters=total,
         train_dialogues=len(data.train),
         trained_tokens=data.trained_tokens,
-        steps=trainer.state.global_step,
-        eval_loss_before=before,
-        eval_loss_after=after,
+        steps=outcome.steps,
+        eval_loss_before=outcome.eval_loss_before,
+        eval_loss_after=outcome.eval_loss_after,
         adapter_bytes=folder_bytes(adapter),
         peak_memory_bytes=peak,
         peak_memory_how=how,
-        seconds=round(timer.seconds, 2),
+        seconds=outcome.seconds,
         four_bit=config.four_bit,
     )
-    with atomic_path(config.out / "finetune.json") as tmp:
-        tmp.write_text(
-            json.dumps(
-                {
-                    "config": config.model_dump(mode="json"),
-                    "result": result.model_dump(mode="json"),
-                    "render": asdict(data.train_stats),
-                },
-                indent=2,
-                default=str,
-            )
-        )
+    write_report(config.out / "finetune.json", config, result, data)
     return result
-
-
-@contextmanager
-def out_of_memory_advice(config: FinetuneConfig) -> Iterator[None]:
-    """Turn an out-of-memory error into advice on which knob to turn."""
-    import torch
-
-    try:
-        yield
-    except (torch.OutOfMemoryError, MemoryError) as exc:
-        raise SpectuneError(
-            f"out of memory at batch_size {config.batch_size}, max_tokens {config.max_tokens}: lower --batch-size "
-            "(raise --grad-accum to keep the effective batch), lower --max-tokens, or turn on gradient "
-            "checkpointing (gradient_checkpointing: true); `spectune plan` estimates what fits. The last complete "
-            f"checkpoint, if any, is in {config.out / 'checkpoints'} (--resume continues from it)."
-        ) from exc
 
 
 def _planned_steps(trainer: Any) -> int:
