@@ -177,3 +177,20 @@ def test_bench_writes_its_report(ggufs, demo_data, tmp_path):
     for name in ("report.json", "report.md", "report.png"):
         assert (tmp_path / "bench" / name).stat().st_size > 0
     assert json.loads((tmp_path / "bench" / "report.json").read_text())["settings"]["n"] == 3
+
+
+def test_a_new_turn_reuses_the_cached_prefix_and_answers_the_same(ggufs, prompts):
+    target, draft = load(ggufs["Q4_K_M"]["target"]), load(ggufs["Q4_K_M"]["draft"])
+    decoder = SpeculativeDecoder(target, draft)
+    config = SamplingConfig(max_tokens=20, draft_max=4)
+    messages = list(prompts[3].messages)
+    first_ids = target.tokenize(chat_prompt(target, messages))
+    answer, _ = decoder.generate(first_ids, config)
+    messages += [{"role": "assistant", "content": target.detokenize(answer)}, {"role": "user", "content": "Thanks."}]
+    second_ids = target.tokenize(chat_prompt(target, messages))
+    reused_answer, stats = decoder.generate(second_ids, config)
+    assert stats.reused_prompt_tokens >= len(first_ids) - 1
+    fresh_target = load(ggufs["Q4_K_M"]["target"])
+    fresh, fresh_stats = SpeculativeDecoder(fresh_target).generate(second_ids, config)
+    assert fresh_stats.reused_prompt_tokens == 0
+    assert reused_answer == fresh

@@ -85,6 +85,7 @@ class LlamaModel:
         self.n_batch = min(llama_cpp.llama_n_batch(self.ctx), llama_cpp.llama_n_ubatch(self.ctx))
         self.batch = llama_cpp.llama_batch_init(n_batch, 0, 1)
         self.memory = llama_cpp.llama_get_memory(self.ctx)
+        self.cached: list[int] = []  # the tokens whose KV this context holds, position by position
 
         # finalize (not __del__) runs before interpreter shutdown tears the bindings down.
         self._finalizer = weakref.finalize(self, _free, llama_cpp, self.batch, self.ctx, self.model)
@@ -122,6 +123,10 @@ class LlamaModel:
         """Decode `tokens` at positions start.. and return logits (rows: every token, or only the last)."""
         if start + len(tokens) > self.n_ctx:
             raise SpectuneError(f"context full: {start + len(tokens)} tokens > n_ctx {self.n_ctx}")
+        if start > len(self.cached):
+            raise SpectuneError(f"decode at position {start} leaves a gap after {len(self.cached)} cached tokens")
+        self.truncate(start)
+        self.cached += tokens
         rows = []
         for offset in range(0, len(tokens), self.n_batch):
             chunk = tokens[offset : offset + self.n_batch]
@@ -145,7 +150,18 @@ class LlamaModel:
 
     def truncate(self, length: int) -> None:
         """Forget every cached position >= `length` (roll back rejected draft tokens)."""
-        self.lib.llama_memory_seq_rm(self.memory, 0, length, -1)
+        if length < len(self.cached):
+            self.lib.llama_memory_seq_rm(self.memory, 0, length, -1)
+            del self.cached[length:]
+
+    def reusable_prefix(self, tokens: list[int]) -> int:
+        """How many leading `tokens` the cache already holds (a new turn of a conversation reuses them)."""
+        length = 0
+        for have, want in zip(self.cached, tokens, strict=False):
+            if have != want:
+                break
+            length += 1
+        return length
 
 
 @dataclass

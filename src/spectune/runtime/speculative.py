@@ -37,6 +37,7 @@ class SamplingConfig:
 @dataclass
 class Stats:
     prompt_tokens: int = 0
+    reused_prompt_tokens: int = 0  # prompt tokens whose KV a previous turn left in the cache
     generated: int = 0
     produced: int = 0  # tokens the verify steps yielded, the end token included (τ counts it)
     drafted: int = 0
@@ -101,19 +102,12 @@ class SpeculativeDecoder:
 
             check_pair(target.path, draft.path)  # llama.cpp's own pair rules; raises with the first mismatch
         self.target, self.draft = target, draft
-        self.draft_cache: list[int] = []  # tokens whose KV the draft holds
 
     def _sync_draft(self, sequence: list[int]) -> np.ndarray:
         """Bring the draft's cache to `sequence` (reusing the common prefix); return its next-token logits."""
         assert self.draft is not None
-        common = 0
-        limit = min(len(self.draft_cache), len(sequence) - 1)  # always decode at least the last token
-        while common < limit and self.draft_cache[common] == sequence[common]:
-            common += 1
-        self.draft.truncate(common)
-        logits = self.draft.decode(sequence[common:], common, all_logits=False)[-1]
-        self.draft_cache = list(sequence)
-        return logits
+        common = self.draft.reusable_prefix(sequence[:-1])  # always decode at least the last token
+        return self.draft.decode(sequence[common:], common, all_logits=False)[-1]
 
     def _propose(
         self, sequence: list[int], k: int, config: SamplingConfig, rng: np.random.Generator, stats: Stats
@@ -143,8 +137,7 @@ class SpeculativeDecoder:
             drafts.append(token)
             if len(drafts) == k:
                 break
-            logits = self.draft.decode([token], len(self.draft_cache), all_logits=False)[-1]
-            self.draft_cache.append(token)
+            logits = self.draft.decode([token], len(self.draft.cached), all_logits=False)[-1]
         stats.draft_seconds += time.perf_counter() - start
         return drafts, draft_probs
 
@@ -185,9 +178,12 @@ class SpeculativeDecoder:
         stats = Stats(prompt_tokens=len(prompt))
         rng = np.random.default_rng(config.seed)
         begin = time.perf_counter()
-        self.target.truncate(0)
-        if len(prompt) > 1:
-            self.target.decode(prompt[:-1], 0, all_logits=False)
+        # A voice call is many short turns on a growing context: keep the KV of the shared prefix.
+        reused = self.target.reusable_prefix(prompt[:-1])
+        self.target.truncate(reused)
+        if len(prompt) - 1 > reused:
+            self.target.decode(prompt[reused:-1], reused, all_logits=False)
+        stats.reused_prompt_tokens = reused
         stats.prefill_seconds = time.perf_counter() - begin
         sequence = list(prompt)  # every token so far; the last one is not yet in the target's cache
         output: list[int] = []
