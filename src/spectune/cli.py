@@ -634,6 +634,52 @@ def demo(
 
 
 @app.command()
+def serve(
+    target: Annotated[Path, typer.Option(help="Target GGUF.")],
+    draft_model: Annotated[Path | None, typer.Option("--draft", help="Draft GGUF (speculative decoding).")] = None,
+    host: Annotated[str, typer.Option(help="Bind address (loopback by default).")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="Port.")] = 8000,
+    slots: Annotated[int, typer.Option(help="Concurrent generations (each its own contexts).")] = 1,
+    n_ctx: Annotated[int, typer.Option(help="Context length per slot.")] = 4096,
+    draft_max: DraftMaxOpt = 8,
+    queue_timeout: Annotated[float, typer.Option(help="Seconds a request may wait for a slot, then 503.")] = 30.0,
+    api_key: Annotated[str | None, typer.Option(envvar="SPECTUNE_API_KEY", help="Require this bearer token.")] = None,
+    threads: ThreadsOpt = None,
+    exact: ExactOpt = True,
+) -> None:
+    """OpenAI-compatible streaming chat server (/v1/chat/completions, /v1/models, /health, /metrics)."""
+    import uvicorn
+
+    from spectune.serve.app import ServeConfig, create_app
+
+    config = ServeConfig(
+        target=target,
+        draft=draft_model,
+        slots=slots,
+        n_ctx=n_ctx,
+        threads=threads,
+        exact=exact,
+        draft_max=draft_max,
+        queue_timeout=queue_timeout,
+        api_key=api_key,
+    )
+    uvicorn.run(create_app(config), host=host, port=port, log_level="info")
+
+
+@app.command()
+def call(
+    server: Annotated[str, typer.Option(help="Server URL, e.g. http://127.0.0.1:8000.")] = "http://127.0.0.1:8000",
+    api_key: Annotated[str | None, typer.Option(envvar="SPECTUNE_API_KEY", help="Bearer token.")] = None,
+    speak: Annotated[bool, typer.Option(help="Speak each sentence with espeak-ng (if installed).")] = False,
+    system: SystemOpt = None,
+) -> None:
+    """A terminal phone call with the server: streams answers by sentence and shows the time to first words."""
+    from spectune.serve.client import run_call
+
+    run_call(server, api_key, speak, system)
+
+
+@app.command()
 def plan(
     model: Annotated[Path, typer.Option(help="A model folder or an HF config.json (no weights needed).")],
     gpu_mem: Annotated[str, typer.Option(help="Memory to plan for, e.g. 16GiB.")] = "16GiB",

@@ -1,0 +1,1 @@
+"""Serving: an OpenAI-compatible streaming server for voice bots, and a terminal client."""

@@ -1,0 +1,168 @@
+"""The OpenAI-compatible server, live on 127.0.0.1, driven by the official openai client and httpx."""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+
+import httpx
+import pytest
+
+from spectune.data.prepare import extract_prompts
+from spectune.data.read import read_dialogues
+from spectune.export.gguf import export_model
+from spectune.runtime.chat import chat_prompt
+from spectune.runtime.llama import LlamaModel
+from spectune.runtime.speculative import SamplingConfig, SpeculativeDecoder
+from spectune.serve.app import ServeConfig, create_app
+
+KEY = "sk-test-key"
+
+
+@pytest.fixture(scope="module")
+def pair(tuned_target, sft_draft, tmp_path_factory):
+    folder = tmp_path_factory.mktemp("serve")
+    return export_model(tuned_target, folder / "t.gguf", "Q8_0"), export_model(sft_draft, folder / "d.gguf", "Q8_0")
+
+
+def start_server(config: ServeConfig):
+    import uvicorn
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(create_app(config), host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.time() + 30
+    while not server.started and time.time() < deadline:
+        time.sleep(0.05)
+    assert server.started
+    return server, thread, f"http://127.0.0.1:{port}"
+
+
+@pytest.fixture(scope="module")
+def server(pair):
+    target, draft = pair
+    instance, thread, url = start_server(
+        ServeConfig(target=target, draft=draft, slots=1, n_ctx=512, threads=1, queue_timeout=2.0, draft_max=4)
+    )
+    yield url
+    instance.should_exit = True
+    thread.join(timeout=10)
+
+
+@pytest.fixture(scope="module")
+def messages(demo_data):
+    return extract_prompts(read_dialogues(demo_data).dialogues, 4, seed=9)[0].messages
+
+
+def engine_answer(pair, messages, max_tokens: int) -> str:
+    target = LlamaModel(pair[0], n_ctx=512, threads=1)
+    tokens, _ = SpeculativeDecoder(target).generate(
+        target.tokenize(chat_prompt(target, messages)), SamplingConfig(max_tokens=max_tokens)
+    )
+    return target.detokenize(tokens)
+
+
+def test_openai_client_non_stream_and_stream_match_the_engine(server, pair, messages):
+    from openai import OpenAI
+
+    client = OpenAI(base_url=f"{server}/v1", api_key="unused")
+    expected = engine_answer(pair, messages, 24)
+    reply = client.chat.completions.create(model="spectune", messages=messages, max_tokens=24, temperature=0)
+    assert reply.choices[0].message.content == expected
+    assert reply.usage.completion_tokens > 0
+    pieces, final = [], None
+    for part in client.chat.completions.create(model="spectune", messages=messages, max_tokens=24, stream=True):
+        if part.choices and part.choices[0].delta.content:
+            pieces.append(part.choices[0].delta.content)
+        final = part
+    assert "".join(pieces) == expected
+    assert final.choices[0].finish_reason in ("stop", "length")
+    assert final.usage.completion_tokens == reply.usage.completion_tokens
+    assert [m.id for m in client.models.list().data] == ["spectune"]
+
+
+def test_sentence_chunking_streams_whole_clauses(server, messages):
+    body = {"messages": messages, "max_tokens": 40, "stream": True, "chunking": "sentence"}
+    with httpx.stream("POST", f"{server}/v1/chat/completions", json=body, timeout=60) as response:
+        chunks = [
+            json.loads(line[6:])
+            for line in response.iter_lines()
+            if line.startswith("data: ") and line != "data: [DONE]"
+        ]
+    texts = [c["choices"][0]["delta"].get("content") for c in chunks]
+    texts = [t for t in texts if t]
+    for text in texts[:-1]:  # every chunk but the last ends a clause
+        assert text.rstrip()[-1] in ".!?;:,", texts
+    assert chunks[-1]["spectune"]["ttft_seconds"] > 0
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "needle"),
+    [
+        (b"{not json", 400, "malformed JSON"),
+        (b'{"max_tokens": 5}', 400, "messages"),
+        (b'{"messages": []}', 422, "messages"),
+        (b'{"messages": [{"role": "wizard", "content": "hi"}]}', 422, "role"),
+        (b'{"messages": [{"role": "user", "content": "  "}]}', 422, "empty content"),
+        (b'{"messages": [{"role": "user", "content": "hi"}], "temperature": 9}', 422, "temperature"),
+        (json.dumps({"messages": [{"role": "user", "content": "word " * 800}]}).encode(), 413, "context"),
+    ],
+)
+def test_bad_input_gets_an_openai_style_error_and_the_server_keeps_serving(server, body, status, needle):
+    response = httpx.post(
+        f"{server}/v1/chat/completions", content=body, headers={"content-type": "application/json"}, timeout=30
+    )
+    assert response.status_code == status
+    error = response.json()["error"]
+    assert needle in error["message"] and error["type"]
+    assert httpx.get(f"{server}/health").json()["slots_free"] == 1
+
+
+def test_a_disconnected_client_frees_its_slot(server, messages):
+    body = {"messages": messages, "max_tokens": 400, "stream": True}
+    with httpx.stream("POST", f"{server}/v1/chat/completions", json=body, timeout=60) as response:
+        next(response.iter_lines())  # the first chunk arrived; now hang up
+    deadline = time.time() + 20
+    while httpx.get(f"{server}/health").json()["slots_free"] != 1 and time.time() < deadline:
+        time.sleep(0.1)
+    assert httpx.get(f"{server}/health").json()["slots_free"] == 1
+    ok = httpx.post(f"{server}/v1/chat/completions", json={"messages": messages, "max_tokens": 4}, timeout=60)
+    assert ok.status_code == 200
+
+
+def test_metrics_are_exposed(server, messages):
+    httpx.post(f"{server}/v1/chat/completions", json={"messages": messages, "max_tokens": 4}, timeout=60)
+    text = httpx.get(f"{server}/metrics").text
+    for name in (
+        "spectune_ttft_seconds",
+        "spectune_tokens_per_second",
+        "spectune_acceptance_rate",
+        "spectune_mean_accepted_len",
+        "spectune_queue_depth",
+        "spectune_requests_total",
+    ):
+        assert name in text
+
+
+def test_api_key_is_required_except_for_health(pair, messages):
+    target, draft = pair
+    instance, thread, url = start_server(ServeConfig(target=target, draft=draft, n_ctx=256, threads=1, api_key=KEY))
+    try:
+        assert httpx.get(f"{url}/health").status_code == 200
+        denied = httpx.post(f"{url}/v1/chat/completions", json={"messages": messages, "max_tokens": 2})
+        assert denied.status_code == 401 and "API key" in denied.json()["error"]["message"]
+        allowed = httpx.post(
+            f"{url}/v1/chat/completions",
+            json={"messages": messages, "max_tokens": 2},
+            headers={"Authorization": f"Bearer {KEY}"},
+            timeout=60,
+        )
+        assert allowed.status_code == 200
+    finally:
+        instance.should_exit = True
+        thread.join(timeout=10)
