@@ -1,0 +1,119 @@
+"""Load test of `spectune serve` on loopback: N concurrent streaming clients, bounded in requests and seconds,
+with and without the draft (two servers, one after the other, same prompts). Reports p50/p95/p99 time to first
+token, tokens/s per stream, errors (must be 0), and that every request completed or got a clear error.
+
+Usage: python benchmarks/serve_load.py --target T.gguf --draft D.gguf --data FILE --clients 4 --requests 24
+Writes benchmarks/results/serve_load.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import socket
+import statistics
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import uvicorn
+
+from spectune.data.prepare import read_prompts
+from spectune.serve.app import ServeConfig, create_app
+
+RESULTS = Path(__file__).parent / "results"
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else 0.0
+
+
+async def one(client: httpx.AsyncClient, messages: list, max_tokens: int) -> dict:
+    start = time.perf_counter()
+    first = None
+    completion = 0
+    body = {"messages": messages, "max_tokens": max_tokens, "stream": True}
+    async with client.stream("POST", "/v1/chat/completions", json=body) as response:
+        if response.status_code != 200:
+            return {"error": response.status_code}
+        async for line in response.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if chunk["choices"][0]["delta"].get("content") and first is None:
+                first = time.perf_counter() - start
+            if "usage" in chunk:
+                completion = chunk["usage"]["completion_tokens"]
+    total = time.perf_counter() - start
+    return {"ttft": first or total, "tokens": completion, "seconds": total}
+
+
+async def load(url: str, prompts: list, clients: int, requests: int, max_tokens: int, seconds: float) -> list:
+    queue = list(range(requests))
+    results: list[dict] = []
+    deadline = time.perf_counter() + seconds
+
+    async def worker() -> None:
+        async with httpx.AsyncClient(base_url=url, timeout=120) as client:
+            while queue and time.perf_counter() < deadline:
+                index = queue.pop()
+                results.append(await one(client, prompts[index % len(prompts)].messages, max_tokens))
+
+    await asyncio.gather(*(worker() for _ in range(clients)))
+    return results
+
+
+def serve(config: ServeConfig) -> tuple[uvicorn.Server, threading.Thread, str]:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(create_app(config), host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    while not server.started:
+        time.sleep(0.05)
+    return server, thread, f"http://127.0.0.1:{port}"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--target", type=Path, required=True)
+    parser.add_argument("--draft", type=Path, required=True)
+    parser.add_argument("--data", type=Path, required=True)
+    parser.add_argument("--clients", type=int, default=4)
+    parser.add_argument("--slots", type=int, default=2)
+    parser.add_argument("--requests", type=int, default=24)
+    parser.add_argument("--seconds", type=float, default=120.0)
+    parser.add_argument("--max-tokens", type=int, default=48)
+    parser.add_argument("--threads", type=int, default=None)
+    args = parser.parse_args()
+    prompts = read_prompts(args.data)[:50]
+    report = {"clients": args.clients, "slots": args.slots, "max_tokens": args.max_tokens, "variants": {}}
+    for name, draft in (("target alone", None), ("with draft", args.draft)):
+        config = ServeConfig(
+            target=args.target, draft=draft, slots=args.slots, n_ctx=2048, threads=args.threads, queue_timeout=60.0
+        )
+        server, thread, url = serve(config)
+        results = asyncio.run(load(url, prompts, args.clients, args.requests, args.max_tokens, args.seconds))
+        server.should_exit = True
+        thread.join(timeout=10)
+        done = [r for r in results if "error" not in r]
+        ttft = [1000 * r["ttft"] for r in done]
+        report["variants"][name] = {
+            "requests": len(results),
+            "errors": len(results) - len(done),
+            "p50_ttft_ms": percentile(ttft, 0.5),
+            "p95_ttft_ms": percentile(ttft, 0.95),
+            "p99_ttft_ms": percentile(ttft, 0.99),
+            "tokens_per_s": statistics.median(r["tokens"] / r["seconds"] for r in done) if done else 0.0,
+        }
+        print(name, report["variants"][name])
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / "serve_load.json").write_text(json.dumps(report, indent=2))
+
+
+if __name__ == "__main__":
+    main()
