@@ -66,6 +66,24 @@ async def load(url: str, prompts: list, clients: int, requests: int, max_tokens:
     return results
 
 
+async def conversation_ttft(url: str, prompts: list, turns: int, max_tokens: int) -> list[float]:
+    """TTFT (ms) of turns 2.. of growing conversations, as a voice call has them, one client."""
+    ttfts = []
+    async with httpx.AsyncClient(base_url=url, timeout=120) as client:
+        for prompt in prompts:
+            messages = list(prompt.messages)
+            for turn in range(turns):
+                result = await one(client, messages, max_tokens)
+                if turn:
+                    ttfts.append(1000 * result["ttft"])
+                reply = await client.post("/v1/chat/completions", json={"messages": messages, "max_tokens": max_tokens})
+                messages += [
+                    {"role": "assistant", "content": reply.json()["choices"][0]["message"]["content"] or "Ok."},
+                    {"role": "user", "content": "Thanks, and one more thing."},
+                ]
+    return ttfts
+
+
 def serve(config: ServeConfig) -> tuple[uvicorn.Server, threading.Thread, str]:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
@@ -111,6 +129,22 @@ def main() -> None:
             "tokens_per_s": statistics.median(r["tokens"] / r["seconds"] for r in done) if done else 0.0,
         }
         print(name, report["variants"][name])
+    report["multi_turn"] = {}
+    for name, reuse in (("prefix reuse", True), ("no reuse", False)):
+        server, thread, url = serve(
+            ServeConfig(
+                target=args.target, draft=args.draft, slots=1, n_ctx=2048, threads=args.threads, reuse_prefix=reuse
+            )
+        )
+        ttfts = asyncio.run(conversation_ttft(url, prompts[:4], 4, 16))
+        server.should_exit = True
+        thread.join(timeout=10)
+        report["multi_turn"][name] = {
+            "turns": len(ttfts),
+            "p50_ttft_ms": percentile(ttfts, 0.5),
+            "p95_ttft_ms": percentile(ttfts, 0.95),
+        }
+        print(name, report["multi_turn"][name])
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "serve_load.json").write_text(json.dumps(report, indent=2))
 

@@ -166,3 +166,27 @@ def test_api_key_is_required_except_for_health(pair, messages):
     finally:
         instance.should_exit = True
         thread.join(timeout=10)
+
+
+def test_a_request_that_waits_too_long_gets_503_with_retry_after(pair, messages):
+    target, draft = pair
+    instance, thread, url = start_server(
+        ServeConfig(target=target, draft=draft, n_ctx=512, threads=1, slots=1, queue_timeout=0.5)
+    )
+    try:
+        body = {"messages": messages, "max_tokens": 400, "stream": True}
+        with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=60) as busy:
+            next(busy.iter_lines())  # the only slot is generating
+            refused = httpx.post(f"{url}/v1/chat/completions", json={"messages": messages, "max_tokens": 2}, timeout=30)
+            assert refused.status_code == 503 and refused.headers["retry-after"] == "1"
+            assert refused.json()["error"]["type"] == "server_busy"
+        too_big = httpx.post(
+            f"{url}/v1/chat/completions",
+            content=b"x" * (2 << 20),
+            headers={"content-type": "application/json"},
+            timeout=30,
+        )
+        assert too_big.status_code == 413
+    finally:
+        instance.should_exit = True
+        thread.join(timeout=10)

@@ -629,7 +629,9 @@ def demo(
     console.print(
         f"\nChat with the result:\n  spectune generate --chat --target {gguf / 'target.Q4_K_M.gguf'} "
         f"--draft {gguf / (best + '.Q4_K_M.gguf')}\n"
-        f"Serve it with llama.cpp's own server (the command is in {gguf / 'llama-server.sh'})."
+        f"Serve it to a voice bot (OpenAI-compatible, streaming):\n  spectune serve --target "
+        f"{gguf / 'target.Q4_K_M.gguf'} --draft {gguf / (best + '.Q4_K_M.gguf')}\n"
+        f"or with llama.cpp's own server: {gguf / 'llama-server.sh'}"
     )
 
 

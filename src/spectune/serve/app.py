@@ -45,6 +45,7 @@ class ServeConfig:
     api_key: str | None = None
     max_request_bytes: int = 1 << 20
     model_name: str = "spectune"
+    reuse_prefix: bool = True  # keep a slot's KV cache for the next turn (off: every request prefills all)
 
 
 class Message(BaseModel):
@@ -195,6 +196,8 @@ def create_app(config: ServeConfig) -> FastAPI:
             draft_max=config.draft_max,
             stop=[chat.stop] if isinstance(chat.stop, str) else list(chat.stop or []),
         )
+        if not config.reuse_prefix:
+            slot.target.truncate(0)
         job = Job(slot, prompt, sampling, asyncio.get_running_loop())
         job.start()
         if chat.stream:
