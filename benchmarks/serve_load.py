@@ -11,17 +11,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import socket
 import statistics
-import threading
 import time
 from pathlib import Path
 
 import httpx
-import uvicorn
 
 from spectune.data.prepare import read_prompts
-from spectune.serve.app import ServeConfig, create_app
+from spectune.serve.app import ServeConfig, serve_in_thread
 
 RESULTS = Path(__file__).parent / "results"
 
@@ -84,18 +81,6 @@ async def conversation_ttft(url: str, prompts: list, turns: int, max_tokens: int
     return ttfts
 
 
-def serve(config: ServeConfig) -> tuple[uvicorn.Server, threading.Thread, str]:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(create_app(config), host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    while not server.started:
-        time.sleep(0.05)
-    return server, thread, f"http://127.0.0.1:{port}"
-
-
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--target", type=Path, required=True)
@@ -114,7 +99,7 @@ def main() -> None:
         config = ServeConfig(
             target=args.target, draft=draft, slots=args.slots, n_ctx=2048, threads=args.threads, queue_timeout=60.0
         )
-        server, thread, url = serve(config)
+        server, thread, url = serve_in_thread(config)
         results = asyncio.run(load(url, prompts, args.clients, args.requests, args.max_tokens, args.seconds))
         server.should_exit = True
         thread.join(timeout=10)
@@ -131,7 +116,7 @@ def main() -> None:
         print(name, report["variants"][name])
     report["multi_turn"] = {}
     for name, reuse in (("prefix reuse", True), ("no reuse", False)):
-        server, thread, url = serve(
+        server, thread, url = serve_in_thread(
             ServeConfig(
                 target=args.target, draft=args.draft, slots=1, n_ctx=2048, threads=args.threads, reuse_prefix=reuse
             )

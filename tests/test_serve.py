@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import json
-import socket
-import threading
 import time
 
 import httpx
@@ -16,7 +14,7 @@ from spectune.export.gguf import export_model
 from spectune.runtime.chat import chat_prompt
 from spectune.runtime.llama import LlamaModel
 from spectune.runtime.speculative import SamplingConfig, SpeculativeDecoder
-from spectune.serve.app import ServeConfig, create_app
+from spectune.serve.app import ServeConfig, serve_in_thread
 
 KEY = "sk-test-key"
 
@@ -27,26 +25,10 @@ def pair(tuned_target, sft_draft, tmp_path_factory):
     return export_model(tuned_target, folder / "t.gguf", "Q8_0"), export_model(sft_draft, folder / "d.gguf", "Q8_0")
 
 
-def start_server(config: ServeConfig):
-    import uvicorn
-
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(create_app(config), host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.time() + 30
-    while not server.started and time.time() < deadline:
-        time.sleep(0.05)
-    assert server.started
-    return server, thread, f"http://127.0.0.1:{port}"
-
-
 @pytest.fixture(scope="module")
 def server(pair):
     target, draft = pair
-    instance, thread, url = start_server(
+    instance, thread, url = serve_in_thread(
         ServeConfig(target=target, draft=draft, slots=1, n_ctx=512, threads=1, queue_timeout=2.0, draft_max=4)
     )
     yield url
@@ -123,14 +105,29 @@ def test_bad_input_gets_an_openai_style_error_and_the_server_keeps_serving(serve
     assert httpx.get(f"{server}/health").json()["slots_free"] == 1
 
 
-def test_a_disconnected_client_frees_its_slot(server, messages):
-    body = {"messages": messages, "max_tokens": 400, "stream": True}
+def test_a_disconnected_client_stops_its_generation_and_frees_the_slot(server, messages, monkeypatch):
+    real_generate = SpeculativeDecoder.generate
+    outcomes = []
+
+    def slow_steps(self, prompt, config, on_tokens=None):  # each step takes 50 ms, like a bigger model
+        def paced(tokens):
+            time.sleep(0.05)
+            keep_going = on_tokens(tokens)
+            outcomes.append(keep_going)
+            return keep_going
+
+        return real_generate(self, prompt, config, paced)
+
+    monkeypatch.setattr(SpeculativeDecoder, "generate", slow_steps)
+    body = {"messages": messages, "max_tokens": 400, "stream": True, "temperature": 1.0, "seed": 3}
     with httpx.stream("POST", f"{server}/v1/chat/completions", json=body, timeout=60) as response:
         next(response.iter_lines())  # the first chunk arrived; now hang up
     deadline = time.time() + 20
     while httpx.get(f"{server}/health").json()["slots_free"] != 1 and time.time() < deadline:
         time.sleep(0.1)
     assert httpx.get(f"{server}/health").json()["slots_free"] == 1
+    assert outcomes and outcomes[-1] is False  # the generation was told to stop, and stopped
+    monkeypatch.setattr(SpeculativeDecoder, "generate", real_generate)
     ok = httpx.post(f"{server}/v1/chat/completions", json={"messages": messages, "max_tokens": 4}, timeout=60)
     assert ok.status_code == 200
 
@@ -151,7 +148,7 @@ def test_metrics_are_exposed(server, messages):
 
 def test_api_key_is_required_except_for_health(pair, messages):
     target, draft = pair
-    instance, thread, url = start_server(ServeConfig(target=target, draft=draft, n_ctx=256, threads=1, api_key=KEY))
+    instance, thread, url = serve_in_thread(ServeConfig(target=target, draft=draft, n_ctx=256, threads=1, api_key=KEY))
     try:
         assert httpx.get(f"{url}/health").status_code == 200
         denied = httpx.post(f"{url}/v1/chat/completions", json={"messages": messages, "max_tokens": 2})
@@ -168,15 +165,26 @@ def test_api_key_is_required_except_for_health(pair, messages):
         thread.join(timeout=10)
 
 
-def test_a_request_that_waits_too_long_gets_503_with_retry_after(pair, messages):
+def test_a_request_that_waits_too_long_gets_503_with_retry_after(pair, messages, monkeypatch):
+    slow_generate = SpeculativeDecoder.generate
+
+    def slow(self, *args, **kwargs):  # a generation that holds its slot for a while, like a big model on a CPU
+        time.sleep(3)
+        return slow_generate(self, *args, **kwargs)
+
+    monkeypatch.setattr(SpeculativeDecoder, "generate", slow)
     target, draft = pair
-    instance, thread, url = start_server(
+    instance, thread, url = serve_in_thread(
         ServeConfig(target=target, draft=draft, n_ctx=512, threads=1, slots=1, queue_timeout=0.5)
     )
     try:
-        body = {"messages": messages, "max_tokens": 400, "stream": True}
-        with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=60) as busy:
-            next(busy.iter_lines())  # the only slot is generating
+        with httpx.stream(
+            "POST",
+            f"{url}/v1/chat/completions",
+            json={"messages": messages, "max_tokens": 8, "stream": True},
+            timeout=60,
+        ) as busy:
+            next(busy.iter_lines())  # the only slot is taken
             refused = httpx.post(f"{url}/v1/chat/completions", json={"messages": messages, "max_tokens": 2}, timeout=30)
             assert refused.status_code == 503 and refused.headers["retry-after"] == "1"
             assert refused.json()["error"]["type"] == "server_busy"

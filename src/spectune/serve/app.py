@@ -199,13 +199,12 @@ def create_app(config: ServeConfig) -> FastAPI:
         if not config.reuse_prefix:
             slot.target.truncate(0)
         job = Job(slot, prompt, sampling, asyncio.get_running_loop())
+        # The slot is free exactly when its generation has ended, however the request ends.
+        job.done.add_done_callback(lambda _: slots.put_nowait(slot))
         job.start()
         if chat.stream:
             return StreamingResponse(stream(job, chat, request), media_type="text/event-stream")
-        try:
-            tokens, stats = await job.result()
-        finally:
-            slots.put_nowait(slot)
+        tokens, stats = await job.result()
         record(stats)
         metrics["requests"].labels(status="200").inc()
         return {
@@ -260,9 +259,7 @@ def create_app(config: ServeConfig) -> FastAPI:
             yield sse(final)
             yield b"data: [DONE]\n\n"
         finally:
-            job.cancel.set()  # a client gone mid-stream stops the generation ...
-            await asyncio.wait([job.done])  # ... and the slot is free once it has
-            slots.put_nowait(job.slot)
+            job.cancel.set()  # a client gone mid-stream stops the generation, which frees the slot
 
     def record(stats: Stats) -> None:
         metrics["ttft"].observe(stats.ttft_seconds)
@@ -348,3 +345,24 @@ class Job:
 
     async def result(self) -> tuple[list[int], Stats]:
         return await asyncio.shield(self.done)
+
+
+def serve_in_thread(config: ServeConfig, host: str = "127.0.0.1") -> tuple[Any, threading.Thread, str]:
+    """Start the server on a free port in a background thread (tests, benchmarks, embedding);
+    returns (uvicorn server, thread, base URL). Stop it with `server.should_exit = True`."""
+    import socket
+
+    import uvicorn
+
+    with socket.socket() as probe:
+        probe.bind((host, 0))
+        port = probe.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(create_app(config), host=host, port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.time() + 60
+    while not server.started and thread.is_alive() and time.time() < deadline:
+        time.sleep(0.05)
+    if not server.started:
+        raise RuntimeError(f"the server did not start on {host}:{port}")
+    return server, thread, f"http://{host}:{port}"
