@@ -543,7 +543,7 @@ def bench(
     from spectune.bench.run import bench as run_bench
 
     drafts = dict(_named(item) for item in draft_models)
-    report = run_bench(
+    run_bench(
         BenchConfig(
             target=target,
             drafts=drafts,
@@ -560,7 +560,6 @@ def bench(
         )
     )
     console.print((out / "report.md").read_text())
-    del report
 
 
 @app.command("run")

@@ -58,7 +58,7 @@ def quantize(in_file: str | Path, out_file: str | Path, quant: str = "Q4_K_M", t
 
 
 def export_model(model_dir: str | Path, out_file: str | Path, quant: str = "Q4_K_M", keep_f16: bool = False) -> Path:
-    """HF folder -> GGUF of `quant`, through an F16 (F32 for tiny widths) intermediate when quantizing."""
+    """HF folder -> GGUF of `quant`; other quant types go through an F16 GGUF that libllama quantizes."""
     quant = check_quant(quant)
     out_file = Path(out_file)
     if quant in CONVERTER_TYPES:
