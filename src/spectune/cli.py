@@ -26,6 +26,8 @@ models_app = typer.Typer(
     help="The demo world: offline tokenizer and generic target/draft base pairs.", no_args_is_help=True
 )
 app.add_typer(models_app, name="models")
+tools_app = typer.Typer(help="Build the external tools benchmarks compare against.", no_args_is_help=True)
+app.add_typer(tools_app, name="tools")
 
 DataFile = Annotated[
     Path, typer.Argument(help="Chat JSONL (OpenAI messages, ShareGPT or Alpaca) or a save_to_disk folder.")
@@ -313,10 +315,17 @@ def draft(
     draft_model: Annotated[Path | None, typer.Option("--draft", help="The base draft folder to start from.")] = None,
     data: Annotated[Path | None, typer.Option(help="The same task dataset the target was tuned on.")] = None,
     out: Annotated[Path | None, typer.Option(help="Output folder: model/, checkpoints/, draft.json.")] = None,
-    method: Annotated[str | None, typer.Option(help="sft | kd | onpolicy.")] = None,
+    method: Annotated[str | None, typer.Option(help="sft | kd | seqkd | onpolicy.")] = None,
     config: ConfigOpt = None,
-    divergence: Annotated[str | None, typer.Option(help="kd loss: forward_kl | reverse_kl | jsd | tv.")] = None,
-    temperature: Annotated[float | None, typer.Option(help="kd temperature.")] = None,
+    divergence: Annotated[
+        str | None, typer.Option(help="kd/onpolicy loss: forward_kl | reverse_kl | jsd | tv (tv: kd only).")
+    ] = None,
+    temperature: Annotated[float | None, typer.Option(help="Distillation temperature.")] = None,
+    teacher_top_k: Annotated[
+        int | None, typer.Option(help="kd: cache the target's top-k log-probs once (0: run it on the fly).")
+    ] = None,
+    max_new_tokens: Annotated[int | None, typer.Option(help="seqkd/onpolicy: longest generated answer.")] = None,
+    max_train: Annotated[int | None, typer.Option(help="Use only the first N train dialogues (0: all).")] = None,
     eval_data: EvalDataOpt = None,
     epochs: EpochsOpt = None,
     max_steps: MaxStepsOpt = None,
@@ -328,7 +337,8 @@ def draft(
     seed: SeedOpt = None,
     resume: ResumeOpt = None,
 ) -> None:
-    """Train a draft that thinks like the target: sft (same data), kd (distillation) or onpolicy."""
+    """Train a draft that thinks like the target: sft (same data), kd (distillation), seqkd (the target's own
+    answers) or onpolicy (TRL on-policy distillation)."""
     values = {key: value for key, value in locals().items() if key not in ("config", "draft_model")}
     values["draft"] = draft_model
     from spectune.config import load_config
@@ -537,11 +547,17 @@ def bench(
     adaptive: AdaptiveOpt = False,
     threads: ThreadsOpt = None,
     exact: ExactOpt = True,
+    peer: Annotated[
+        str | None,
+        typer.Option(help="llama.cpp: also run llama.cpp's own speculative decoder on each pair (ours vs theirs)."),
+    ] = None,
 ) -> None:
     """Target alone vs target + each draft, interleaved, per prompt: tok/s, speedup, acceptance, identical."""
     from spectune.bench.run import BenchConfig
     from spectune.bench.run import bench as run_bench
 
+    if peer not in (None, "llama.cpp"):
+        raise SpectuneError(f"--peer {peer}: the only peer is llama.cpp")
     drafts = dict(_named(item) for item in draft_models)
     run_bench(
         BenchConfig(
@@ -557,9 +573,24 @@ def bench(
             adaptive=adaptive,
             threads=threads,
             exact=exact,
+            peer=peer is not None,
         )
     )
     console.print((out / "report.md").read_text())
+
+
+@tools_app.command("build-llama-cpp")
+def build_llama_cpp(
+    cmake_arg: Annotated[
+        list[str] | None, typer.Option(help="Extra cmake flag, e.g. -DGGML_CUDA=on; repeatable.")
+    ] = None,
+    variant: Annotated[str, typer.Option(help="Name of this build (cpu, cuda, ...): each is cached apart.")] = "cpu",
+    jobs: Annotated[int | None, typer.Option(help="Parallel compile jobs (default: all cores).")] = None,
+) -> None:
+    """Build llama.cpp's llama-speculative-simple from the pinned sources (for `bench --peer llama.cpp`)."""
+    from spectune.bench.peer import build_llama_cpp as build
+
+    console.print(f"built {build(tuple(cmake_arg or ()), variant, jobs)}")
 
 
 @app.command("run")

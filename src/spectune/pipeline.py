@@ -24,7 +24,7 @@ from spectune.atomic import atomic_path
 from spectune.errors import SpectuneError
 
 console = Console()
-Method = Literal["sft", "kd", "onpolicy"]
+Method = Literal["sft", "kd", "seqkd", "onpolicy"]
 
 
 class Section(BaseModel):
@@ -80,7 +80,23 @@ class DraftSection(Section):
     lr: float = Field(1e-3, gt=0)
     max_tokens: int = Field(512, ge=16)
     max_eval: int = Field(100, ge=1)
+    max_train: int = Field(0, ge=0)
     max_new_tokens: int = Field(64, ge=1)
+    teacher_top_k: int = Field(0, ge=0)
+    overrides: dict[Method, dict[str, Any]] = {}  # per method, e.g. seqkd: {max_train: 300}
+
+    @model_validator(mode="after")
+    def _known_overrides(self) -> DraftSection:
+        allowed = set(type(self).model_fields) - {"methods", "overrides"}
+        for method, values in self.overrides.items():
+            unknown = set(values) - allowed
+            if unknown:
+                raise ValueError(f"overrides.{method}: unknown setting(s) {', '.join(sorted(unknown))}")
+        return self
+
+    def for_method(self, method: str) -> dict[str, Any]:
+        """This section's settings for one method, its overrides applied (validated again by DraftConfig)."""
+        return {**self.model_dump(mode="json", exclude={"methods", "overrides"}), **self.overrides.get(method, {})}
 
 
 class AcceptanceSection(Section):
@@ -97,9 +113,10 @@ class BenchSection(Section):
     n: int = Field(30, ge=1)
     repeats: int = Field(3, ge=1)
     max_tokens: int = Field(64, ge=1)
-    draft_max: int = Field(8, ge=0)
+    draft_max: int | Literal["auto"] = "auto"  # auto: each draft's best k for a GPU, from the acceptance stage
     draft_p_min: float = Field(0.0, ge=0, le=1)
     exact: bool = True
+    peer: bool = False  # also run llama.cpp's own speculative decoder (needs `spectune tools build-llama-cpp`)
 
 
 class RunConfig(Section):
@@ -301,7 +318,6 @@ def run_pipeline(config: RunConfig, force_from: str | None = None, only: str | N
         def draft_step(resuming: bool, method: str = method) -> dict[str, Any]:
             from spectune.train.draft import DraftConfig, train_draft
 
-            section = config.drafts.model_dump(exclude={"methods"})
             result = train_draft(
                 DraftConfig(
                     target=merged["model"],
@@ -312,12 +328,12 @@ def run_pipeline(config: RunConfig, force_from: str | None = None, only: str | N
                     method=method,
                     resume=resuming,
                     seed=config.data.seed,
-                    **section,
+                    **config.drafts.for_method(method),
                 )
             )
             return result.model_dump(mode="json")
 
-        inputs = [config.drafts.model_dump(mode="json", exclude={"methods"}), method, merged, data["hash"]]
+        inputs = [config.drafts.for_method(method), method, merged, data["hash"]]
         drafts[method] = run.stage(f"draft:{method}", inputs, draft_step, total)["model"]
 
     def acceptance_step(_: bool) -> dict[str, Any]:
@@ -370,10 +386,12 @@ def run_pipeline(config: RunConfig, force_from: str | None = None, only: str | N
                 n=section.n,
                 repeats=section.repeats,
                 max_tokens=section.max_tokens,
-                draft_max=section.draft_max,
+                draft_max=8 if section.draft_max == "auto" else section.draft_max,
+                draft_max_by_draft=best_k(accepted) if section.draft_max == "auto" else None,
                 draft_p_min=section.draft_p_min,
                 exact=section.exact,
                 threads=config.threads,
+                peer=section.peer,
             )
         )
         return {"summary": report["summary"], "report": str(work / "bench" / "report.md")}
@@ -386,6 +404,12 @@ def run_pipeline(config: RunConfig, force_from: str | None = None, only: str | N
     run.save()
     write_run_report(run, summary)
     return summary
+
+
+def best_k(accepted: dict[str, Any]) -> dict[str, int]:
+    """Each draft's best k under the memory-bound GPU profile (what the bench's GPU prediction assumes)."""
+    gpu = next(p["name"] for p in accepted["profiles"] if p["name"].startswith("gpu"))
+    return {row["name"]: max(1, row["best_k"][gpu]) for row in accepted["drafts"]}
 
 
 def summarize(accepted: dict[str, Any], benched: dict[str, Any], work: Path) -> dict[str, Any]:

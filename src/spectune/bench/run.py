@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import statistics
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -17,6 +18,8 @@ from typing import Any
 from rich.console import Console
 
 from spectune.atomic import atomic_path
+from spectune.bench.peer import PeerRun
+from spectune.errors import SpectuneError
 from spectune.runtime.chat import chat_prompt
 from spectune.runtime.llama import LlamaModel
 from spectune.runtime.profile import measure_profile
@@ -36,12 +39,16 @@ class BenchConfig:
     repeats: int = 3
     max_tokens: int = 64
     draft_max: int = 8
+    draft_max_by_draft: dict[str, int] | None = None  # per-draft k (e.g. each draft's best k); default draft_max
     draft_p_min: float = 0.0
     adaptive: bool = False
     exact: bool = True
     threads: int | None = None
     n_ctx: int = 2048
     gpu_cost_ratio: dict[str, float] | None = None  # per draft; default: GGUF size ratio (memory-bound decoding)
+    peer: bool = False  # also run llama.cpp's llama-speculative-simple on the same pairs (`tools build-llama-cpp`)
+    peer_binary: Path | None = None  # default: the one `spectune tools build-llama-cpp` built
+    plot: bool = True  # PNG plots (matplotlib)
 
 
 def bench(config: BenchConfig) -> dict[str, Any]:
@@ -53,21 +60,31 @@ def bench(config: BenchConfig) -> dict[str, Any]:
     for name, path in config.drafts.items():
         draft = LlamaModel(path, n_ctx=config.n_ctx, threads=config.threads, exact=config.exact)
         decoders[name] = SpeculativeDecoder(target, draft)
-    sampling = SamplingConfig(
-        max_tokens=config.max_tokens,
-        draft_max=config.draft_max,
-        draft_p_min=config.draft_p_min,
-        adaptive=config.adaptive,
-    )
+    sampling = {
+        name: SamplingConfig(
+            max_tokens=config.max_tokens,
+            draft_max=draft_length(config, name),
+            draft_p_min=config.draft_p_min,
+            adaptive=config.adaptive,
+        )
+        for name in decoders
+    }
+    peer = peer_runner(config, target.threads) if config.peer else None
     rows = []
     for index, prompt in enumerate(prompts):
-        ids = target.tokenize(chat_prompt(target, prompt.messages))
+        text = chat_prompt(target, prompt.messages)
+        ids = target.tokenize(text)
         runs: dict[str, list[tuple[list[int], Stats]]] = {name: [] for name in decoders}
-        for decoder in decoders.values():  # warm-up: caches, page faults
-            decoder.generate(ids, sampling)
-        for _ in range(config.repeats):
+        peer_runs: dict[str, list[PeerRun]] = {name: [] for name in config.drafts}
+        for repeat in range(config.repeats + 1):  # the first round warms up (caches, page faults) and is dropped
             for name, decoder in decoders.items():
-                runs[name].append(decoder.generate(ids, sampling))
+                result = decoder.generate(ids, sampling[name])
+                if repeat:
+                    runs[name].append(result)
+            for name in peer_runs if peer else ():
+                result = peer(name, text)
+                if repeat:
+                    peer_runs[name].append(result)
         plain_tokens = runs["target"][0][0]
         row: dict[str, Any] = {
             "prompt": index,
@@ -93,6 +110,14 @@ def bench(config: BenchConfig) -> dict[str, Any]:
         base = row["variants"]["target"]["tokens_per_second"]
         for variant in row["variants"].values():
             variant["speedup"] = variant["tokens_per_second"] / base if base else 0.0
+        for name, results in peer_runs.items() if peer else ():
+            peer_tps = statistics.median(r.tokens_per_second for r in results)
+            row["variants"][name]["llama_cpp"] = {
+                "tokens_per_second": peer_tps,
+                "acceptance": results[0].accepted / results[0].drafted if results[0].drafted else 0.0,
+                "identical": all(row["answer"].strip() in r.text for r in results),
+                "ours_over_llama_cpp": row["variants"][name]["tokens_per_second"] / peer_tps if peer_tps else 0.0,
+            }
         rows.append(row)
         console.print(
             f"prompt {index + 1}/{len(prompts)}: "
@@ -103,7 +128,7 @@ def bench(config: BenchConfig) -> dict[str, Any]:
         )
     profiles = {
         name: measure_profile(
-            config.target, path, max_batch=config.draft_max + 1, threads=config.threads, exact=config.exact
+            config.target, path, max_batch=draft_length(config, name) + 1, threads=config.threads, exact=config.exact
         )
         for name, path in config.drafts.items()
     }
@@ -115,18 +140,52 @@ def bench(config: BenchConfig) -> dict[str, Any]:
             "n": len(prompts),
             "repeats": config.repeats,
             "max_tokens": config.max_tokens,
-            "draft_max": config.draft_max,
+            "draft_max": {name: draft_length(config, name) for name in config.drafts},
             "draft_p_min": config.draft_p_min,
             "adaptive": config.adaptive,
             "exact": config.exact,
             "threads": target.threads,
             "greedy": True,
+            "peer": "llama.cpp llama-speculative-simple" if config.peer else None,
         },
         "prompts": rows,
         "summary": {name: _summary(name, rows, profiles[name], config, path) for name, path in config.drafts.items()},
     }
-    write_report(report, config.out)
+    write_report(report, config.out, config.plot)
     return report
+
+
+def draft_length(config: BenchConfig, name: str) -> int:
+    """k for this draft (0 for the target alone)."""
+    if name not in config.drafts:
+        return 0
+    return (config.draft_max_by_draft or {}).get(name, config.draft_max)
+
+
+def peer_runner(config: BenchConfig, threads: int) -> Callable[[str, str], PeerRun]:
+    """Runs llama.cpp's own speculative decoder on (draft name, prompt text) with this bench's settings."""
+    from spectune.bench.peer import run_peer, tool_path
+
+    binary = config.peer_binary or tool_path()
+    if not binary.is_file():
+        raise SpectuneError(f"--peer llama.cpp: {binary} is not built yet; run `spectune tools build-llama-cpp`")
+    if config.draft_p_min or config.adaptive:
+        raise SpectuneError("--peer llama.cpp compares a fixed draft length: drop --draft-p-min / --adaptive")
+
+    def run(name: str, text: str) -> PeerRun:
+        return run_peer(
+            binary,
+            config.target,
+            config.drafts[name],
+            text,
+            draft_length(config, name),
+            config.max_tokens,
+            threads,
+            config.n_ctx,
+            config.exact,
+        )
+
+    return run
 
 
 def _summary(name: str, rows: list[dict], profile: dict, config: BenchConfig, draft_path: Path) -> dict[str, Any]:
@@ -135,7 +194,7 @@ def _summary(name: str, rows: list[dict], profile: dict, config: BenchConfig, dr
     drafted = sum(sum(v["drafted_at"]) for v in variants)
     accepted = sum(sum(v["accepted_at"]) for v in variants)
     tau = statistics.mean(v["mean_accepted_len"] for v in variants)
-    k = config.draft_max
+    k = draft_length(config, name)
     cost_ratio = profile["cost_ratio"]
     gpu_c = (config.gpu_cost_ratio or {}).get(name) or draft_path.stat().st_size / config.target.stat().st_size
     positions = max((len(v["drafted_at"]) for v in variants), default=0)
@@ -144,8 +203,21 @@ def _summary(name: str, rows: list[dict], profile: dict, config: BenchConfig, dr
         d = sum(v["drafted_at"][position] for v in variants if position < len(v["drafted_at"]))
         a = sum(v["accepted_at"][position] for v in variants if position < len(v["accepted_at"]))
         per_position.append(a / d if d else 0.0)
+    peer = [v["llama_cpp"] for v in variants if "llama_cpp" in v]
+    vs_peer = (
+        {
+            "vs_llama_cpp": statistics.median(p["ours_over_llama_cpp"] for p in peer),
+            "llama_cpp_tokens_per_second": statistics.mean(p["tokens_per_second"] for p in peer),
+            "llama_cpp_acceptance": statistics.mean(p["acceptance"] for p in peer),
+            "llama_cpp_identical": sum(p["identical"] for p in peer),
+        }
+        if peer
+        else {}
+    )
     return {
+        **vs_peer,
         "n": len(rows),
+        "draft_max": k,
         "identical": sum(v["identical"] for v in variants),
         "exact": config.exact,
         "mean_speedup": statistics.mean(speedups),
@@ -163,14 +235,15 @@ def _summary(name: str, rows: list[dict], profile: dict, config: BenchConfig, dr
     }
 
 
-def write_report(report: dict[str, Any], out: Path) -> None:
+def write_report(report: dict[str, Any], out: Path, with_plot: bool = True) -> None:
     """report.json, report.md and two PNG plots, each written atomically."""
     out.mkdir(parents=True, exist_ok=True)
     with atomic_path(out / "report.json") as tmp:
         tmp.write_text(json.dumps(report, indent=2))
     with atomic_path(out / "report.md") as tmp:
         tmp.write_text(markdown(report))
-    plot(report, out)
+    if with_plot:
+        plot(report, out)
 
 
 def markdown(report: dict[str, Any]) -> str:
@@ -179,20 +252,30 @@ def markdown(report: dict[str, Any]) -> str:
         "# spectune bench",
         "",
         f"Target `{report['target']}`, {settings['n']} prompts from `{report['data']}`, greedy, "
-        f"{settings['max_tokens']} tokens max, k = {settings['draft_max']}, exact = {settings['exact']}, "
+        f"{settings['max_tokens']} tokens max, exact = {settings['exact']}, "
         f"{settings['threads']} threads, medians of {settings['repeats']} interleaved runs.",
         "",
-        "| draft | identical | acceptance | τ (tokens/verify) | speedup here mean / best / worst | c | r(k+1) "
+        "| draft | k | identical | acceptance | τ (tokens/verify) | speedup here mean / best / worst | c | r(k+1) "
         "| predicted here | predicted GPU |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, s in report["summary"].items():
         lines.append(
-            f"| {name} | {s['identical']}/{s['n']} | {s['acceptance']:.1%} | {s['mean_accepted_len']:.2f} | "
+            f"| {name} | {s['draft_max']} | {s['identical']}/{s['n']} | {s['acceptance']:.1%} | "
+            f"{s['mean_accepted_len']:.2f} | "
             f"{s['mean_speedup']:.2f}x / {s['best_speedup']:.2f}x / {s['worst_speedup']:.2f}x | "
             f"{s['cost_ratio']:.3f} | {s['verify_ratio']:.2f} | {s['predicted_speedup_here']:.2f}x | "
             f"{s['predicted_speedup_gpu']:.2f}x (c = {s['gpu_cost_ratio']:.3f}) |"
         )
+    peers = {name: s for name, s in report["summary"].items() if "vs_llama_cpp" in s}
+    if peers:
+        lines += ["", "| draft | llama.cpp tok/s | llama.cpp acceptance | llama.cpp identical | ours / llama.cpp |"]
+        lines.append("|---|---|---|---|---|")
+        for name, s in peers.items():
+            lines.append(
+                f"| {name} | {s['llama_cpp_tokens_per_second']:.1f} | {s['llama_cpp_acceptance']:.1%} | "
+                f"{s['llama_cpp_identical']}/{s['n']} | {s['vs_llama_cpp']:.2f}x |"
+            )
     lines += [
         "",
         "Predicted GPU speedup: τ / (1 + k·c), decoding memory-bound (r = 1), c from the GGUF size ratio. "

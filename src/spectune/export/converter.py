@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tarfile
@@ -24,9 +25,11 @@ PARTS = ("convert_hf_to_gguf.py", "conversion/", "gguf-py/")
 
 
 def cache_root() -> Path:
+    if os.environ.get("SPECTUNE_CACHE"):
+        return Path(os.environ["SPECTUNE_CACHE"])
     from platformdirs import user_cache_dir
 
-    return Path(os.environ.get("SPECTUNE_CACHE") or user_cache_dir("spectune"))
+    return Path(user_cache_dir("spectune"))
 
 
 def llama_cpp_version() -> str:
@@ -49,6 +52,27 @@ def _unpack(sdist: Path, out: Path) -> None:
             target.write_bytes(source.read())
 
 
+def fetch_sdist() -> Path:
+    """The pinned llama-cpp-python source distribution (llama.cpp's sources inside), fetched by pip once, cached."""
+    pinned = llama_cpp_version()
+    cached = cache_root() / "sdist" / f"llama_cpp_python-{pinned}.tar.gz"
+    if cached.is_file():
+        return cached
+    with tempfile.TemporaryDirectory() as download:
+        command = [sys.executable, "-m", "pip", "download", "--no-binary", ":all:", "--no-deps", "-q", "-d", download]
+        result = subprocess.run([*command, f"llama-cpp-python=={pinned}"], capture_output=True, text=True)
+        sdists = list(Path(download).glob("llama_cpp_python-*.tar.gz"))
+        if result.returncode != 0 or not sdists:
+            raise SpectuneError(
+                f"could not fetch llama-cpp-python=={pinned}'s source (llama.cpp's converter and tools) through pip:\n"
+                f"{result.stderr.strip()[-800:]}\nSet SPECTUNE_LLAMA_CPP_SRC to a llama.cpp source folder instead."
+            )
+        cached.parent.mkdir(parents=True, exist_ok=True)
+        with atomic_path(cached) as tmp:
+            shutil.copyfile(sdists[0], tmp)
+    return cached
+
+
 def converter_dir() -> Path:
     """The folder holding convert_hf_to_gguf.py, fetched and cached on first use."""
     override = os.environ.get("SPECTUNE_LLAMA_CPP_SRC")
@@ -57,33 +81,11 @@ def converter_dir() -> Path:
         if not (folder / "convert_hf_to_gguf.py").is_file():
             raise SpectuneError(f"SPECTUNE_LLAMA_CPP_SRC={folder}: no convert_hf_to_gguf.py there")
         return folder
-    pinned = llama_cpp_version()
-    folder = cache_root() / "llama.cpp-converter" / pinned
+    folder = cache_root() / "llama.cpp-converter" / llama_cpp_version()
     if (folder / "convert_hf_to_gguf.py").is_file():
         return folder
-    with tempfile.TemporaryDirectory() as download:
-        command = [
-            sys.executable,
-            "-m",
-            "pip",
-            "download",
-            "--no-binary",
-            ":all:",
-            "--no-deps",
-            "-q",
-            f"llama-cpp-python=={pinned}",
-            "-d",
-            download,
-        ]
-        result = subprocess.run(command, capture_output=True, text=True)
-        sdists = list(Path(download).glob("llama_cpp_python-*.tar.gz"))
-        if result.returncode != 0 or not sdists:
-            raise SpectuneError(
-                f"could not fetch llama-cpp-python=={pinned}'s source (for llama.cpp's converter) through pip:\n"
-                f"{result.stderr.strip()[-800:]}\nSet SPECTUNE_LLAMA_CPP_SRC to a llama.cpp source folder instead."
-            )
-        with atomic_path(folder) as tmp:
-            _unpack(sdists[0], tmp)
+    with atomic_path(folder) as tmp:
+        _unpack(fetch_sdist(), tmp)
     return folder
 
 

@@ -135,7 +135,7 @@ class SpeculativeDecoder:
                 draft_probs = draft_probs[: len(drafts)]
                 break
             drafts.append(token)
-            if len(drafts) == k:
+            if len(drafts) == k or self.target.is_end(token):  # nothing after an end token is ever used
                 break
             logits = self.draft.decode([token], len(self.draft.cached), all_logits=False)[-1]
         stats.draft_seconds += time.perf_counter() - start
@@ -214,8 +214,8 @@ class SpeculativeDecoder:
             if config.adaptive and drafts:
                 k = min(config.draft_max, k + 1) if accepted == len(drafts) else max(1, min(k, accepted + 1))
             new = [*drafts[:accepted], own]
-            stats.produced += len(new)
             ended = next((i for i, token in enumerate(new) if self.target.is_end(token)), None)
+            stats.produced += len(new) if ended is None else ended + 1  # up to the end token, which τ counts
             if ended is not None:
                 new = new[:ended]
                 stats.finish_reason = "stop"

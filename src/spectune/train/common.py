@@ -42,6 +42,7 @@ class TrainConfig(BaseModel):
     eval_data: Path | None = None
     eval_fraction: float = Field(0.1, ge=0.0, lt=1.0)
     max_eval: int = Field(200, ge=1)
+    max_train: int = Field(0, ge=0)  # 0 = every train dialogue; else the first N of the (seeded) split
     system: str | None = None
     chat_template: Path | None = None
     max_tokens: int = Field(1024, ge=16)
@@ -60,9 +61,11 @@ def read_split(config: TrainConfig) -> tuple[list[Dialogue], list[Dialogue]]:
     """Train and held-out dialogues: the eval file if given, else a seeded split of the data."""
     dialogues = read_dialogues(config.data, system=config.system).dialogues
     if config.eval_data is not None:
-        return dialogues, read_dialogues(config.eval_data, system=config.system).dialogues[: config.max_eval]
-    split = split_dialogues(dialogues, eval_fraction=config.eval_fraction, seed=config.seed)
-    return split.train, split.eval[: config.max_eval]
+        train, held_out = dialogues, read_dialogues(config.eval_data, system=config.system).dialogues
+    else:
+        split = split_dialogues(dialogues, eval_fraction=config.eval_fraction, seed=config.seed)
+        train, held_out = split.train, split.eval
+    return train[: config.max_train or None], held_out[: config.max_eval]
 
 
 def load_task_data(

@@ -5,14 +5,20 @@ Methods (`DraftConfig.method`):
 - `kd`: white-box distillation on the same data: at every assistant position the draft's next-token
   distribution is pulled towards the fine-tuned target's (forward KL, reverse KL, JSD or total variation at a
   temperature). TRL has no off-policy KD trainer with these losses, so this is an SFTTrainer whose loss is
-  replaced; target distributions are computed on the fly.
-- `onpolicy`: sequence-level KD: every assistant turn of the data is replaced by the target's own greedy answer
+  replaced. Target distributions are computed on the fly, or (`teacher_top_k`) once per example as the top-k
+  log-probabilities plus one bucket for the rest, cached to disk, so the teacher is not in memory while the draft
+  trains and later epochs or reruns do not pay its forward passes again.
+- `seqkd`: sequence-level KD: every assistant turn of the data is replaced by the target's own greedy answer
   (exactly what it will verify at serve time), then SFT on that.
+- `onpolicy`: on-policy distillation (GKD, Agarwal et al. 2023) with TRL's DistillationTrainer: the draft answers
+  the dataset's prompts itself and is pulled towards the target's distribution on its own answers (generalized
+  JSD: forward_kl, jsd or reverse_kl).
 Greedy speculative acceptance is 1 − TV(p, q) per token, so `tv` optimises acceptance directly.
 """
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 from typing import Any, Literal
 
@@ -22,6 +28,7 @@ from spectune.data.read import Dialogue
 from spectune.errors import SpectuneError
 from spectune.models.load import check_model_dir, load_tokenizer
 from spectune.train.common import (
+    Timer,
     TrainConfig,
     console,
     folder_bytes,
@@ -34,19 +41,22 @@ from spectune.train.common import (
     write_report,
 )
 
-Method = Literal["sft", "kd", "onpolicy"]
+Method = Literal["sft", "kd", "seqkd", "onpolicy"]
+# TRL's generalized JSD interpolates with beta: 0 is forward KL, 1 reverse KL.
+JSD_BETA = {"forward_kl": 0.0, "jsd": 0.5, "reverse_kl": 1.0}
 Divergence = Literal["forward_kl", "reverse_kl", "jsd", "tv"]
 
 
 class DraftConfig(TrainConfig):
     """Everything `spectune draft` takes."""
 
-    target: Path  # the fine-tuned (merged) target: teacher for kd, author of the answers for onpolicy
+    target: Path  # the fine-tuned (merged) target: the teacher for kd, seqkd and onpolicy
     draft: Path  # the base draft to start from
     method: Method = "sft"
     divergence: Divergence = "forward_kl"
     temperature: float = Field(1.0, gt=0)
-    max_new_tokens: int = Field(96, ge=1)  # onpolicy: longest target answer generated
+    max_new_tokens: int = Field(96, ge=1)  # seqkd / onpolicy: longest answer generated
+    teacher_top_k: int = Field(0, ge=0)  # kd: 0 = teacher on the fly, else cache its top-k log-probs once
     lr: float = Field(1e-3, gt=0)
 
 
@@ -58,7 +68,8 @@ class DraftResult(BaseModel):
     steps: int
     train_dialogues: int
     trained_tokens: int
-    seconds: float
+    seconds: float  # training (with its evaluations)
+    teacher_seconds: float  # making the teacher's data first (seqkd answers, kd top-k cache)
     peak_memory_bytes: int
     model_bytes: int
 
@@ -69,6 +80,11 @@ def divergence_loss(student_logits: Any, teacher_logits: Any, mask: Any, kind: s
 
     log_q = F.log_softmax(student_logits / temperature, dim=-1)
     log_p = F.log_softmax(teacher_logits / temperature, dim=-1)
+    return divergence(log_p, log_q, mask, kind)
+
+
+def divergence(log_p: Any, log_q: Any, mask: Any, kind: str) -> Any:
+    """Mean divergence between distributions given as log-probabilities ([..., support]) over masked positions."""
     if kind == "forward_kl":  # KL(p || q): mode-covering
         per_token = (log_p.exp() * (log_p - log_q)).sum(-1)
     elif kind == "reverse_kl":  # KL(q || p): mode-seeking
@@ -87,24 +103,128 @@ def divergence_loss(student_logits: Any, teacher_logits: Any, mask: Any, kind: s
     return (per_token * mask).sum() / mask.sum().clamp_min(1.0)
 
 
-def distillation_trainer(teacher: Any, kind: str, temperature: float) -> type:
-    """An SFTTrainer whose loss is the divergence to `teacher` on assistant positions."""
+def sparse_log_probs(top_log_p: Any, log_q_full: Any, top_ids: Any) -> tuple[Any, Any]:
+    """Teacher and student over k+1 buckets: the teacher's top-k tokens and one for the rest of the vocabulary.
+    Every divergence on buckets is a lower bound of the full one, equal when the rest is negligible."""
     import torch
+
+    def with_rest(top: Any) -> Any:
+        rest = (1 - top.exp().sum(-1, keepdim=True)).clamp_min(1e-30)
+        return torch.cat([top, rest.log()], dim=-1)
+
+    return with_rest(top_log_p.float()), with_rest(log_q_full.gather(-1, top_ids.long()))
+
+
+def row_key(input_ids: Any) -> bytes:
+    """A cache key for one example: its token ids (unpadded) as int64 bytes."""
+    return input_ids.cpu().long().numpy().tobytes()
+
+
+def teacher_cache(teacher: Any, datasets: list[Any], top_k: int, temperature: float) -> dict[bytes, tuple]:
+    """Per example (keyed by its token ids): the teacher's top-k log-probs and ids at each trained position."""
+    import torch
+    import torch.nn.functional as F
+    from rich.progress import track
+
+    cache = {}
+    rows = [row for dataset in datasets for row in dataset]
+    for row in track(rows, description=f"teacher top-{top_k}", transient=True):
+        ids = torch.tensor([row["input_ids"]])
+        trained = torch.tensor(row["labels"][1:]) != -100  # position t predicts token t+1
+        with torch.no_grad():
+            logits = teacher(input_ids=ids).logits[0, :-1][trained]
+        values, indices = F.log_softmax(logits / temperature, dim=-1).topk(min(top_k, logits.shape[-1]), dim=-1)
+        cache[row_key(ids[0])] = (values.half(), indices.int())
+    return cache
+
+
+def cached_teacher(config: DraftConfig, teacher: Any, trainer: Any) -> dict[bytes, tuple]:
+    """The top-k cache for the trainer's (processed) datasets, read from disk when made before with these settings."""
+    import torch
+
+    from spectune.atomic import atomic_path
+
+    path = config.out / f"teacher_top{config.teacher_top_k}.pt"
+    settings = {"target": str(config.target.resolve()), "temperature": config.temperature}
+    if path.is_file():
+        saved = torch.load(path, weights_only=True)
+        if saved["settings"] == settings:
+            return saved["cache"]
+    datasets = [trainer.train_dataset, trainer.eval_dataset]
+    cache = teacher_cache(teacher, datasets, config.teacher_top_k, config.temperature)
+    with atomic_path(path) as tmp:
+        torch.save({"settings": settings, "cache": cache}, tmp)
+    return cache
+
+
+def distillation_trainer(kind: str, temperature: float) -> type:
+    """An SFTTrainer whose loss is the divergence to the teacher on assistant positions: `trainer.teacher` (a model,
+    run on the fly) or `trainer.teacher_top_k` (cached top-k log-probs per example)."""
+    import torch
+    import torch.nn.functional as F
     from trl import SFTTrainer
 
     class DistillSFTTrainer(SFTTrainer):
+        teacher: Any = None
+        teacher_top_k: dict[bytes, tuple] | None = None
+
         def compute_loss(self, model: Any, inputs: dict, return_outputs: bool = False, num_items_in_batch: Any = None):
-            labels = inputs["labels"]
             forward = {k: v for k, v in inputs.items() if k in ("input_ids", "attention_mask", "position_ids")}
             outputs = model(**forward)
-            with torch.no_grad():
-                teacher_logits = teacher(**forward).logits
             # Position t predicts token t+1; train where that token is an assistant token.
-            mask = labels[:, 1:] != -100
-            loss = divergence_loss(outputs.logits[:, :-1], teacher_logits[:, :-1], mask, kind, temperature)
+            mask = inputs["labels"][:, 1:] != -100
+            if self.teacher_top_k is None:
+                with torch.no_grad():
+                    teacher_logits = self.teacher(**forward).logits
+                loss = divergence_loss(outputs.logits[:, :-1], teacher_logits[:, :-1], mask, kind, temperature)
+            else:  # rows are right-padded, so masked positions come in the order the cache stored them
+                keep = inputs["attention_mask"].bool()
+                cached = [self.teacher_top_k[row_key(ids[k])] for ids, k in zip(inputs["input_ids"], keep, strict=True)]
+                top_log_p = torch.cat([values for values, _ in cached]).to(outputs.logits.device)
+                top_ids = torch.cat([indices for _, indices in cached]).to(outputs.logits.device)
+                log_q = F.log_softmax(outputs.logits[:, :-1][mask] / temperature, dim=-1)
+                log_p, log_q = sparse_log_probs(top_log_p, log_q, top_ids)
+                loss = divergence(log_p, log_q, torch.ones(log_p.shape[0], device=log_p.device), kind)
             return (loss, outputs) if return_outputs else loss
 
     return DistillSFTTrainer
+
+
+def conversation_prompts(dialogues: list[Dialogue]) -> list[list[dict[str, str]]]:
+    """Each assistant turn's context (the dataset's messages before it): the prompts the draft answers on-policy."""
+    return [d.messages[:i] for d in dialogues for i, turn in enumerate(d.messages) if turn["role"] == "assistant"]
+
+
+def onpolicy_trainer(config: DraftConfig, model: Any, teacher: Any, tokenizer: Any, split: tuple) -> Any:
+    """TRL's on-policy DistillationTrainer over the dataset's prompts (it samples the draft's own answers)."""
+    from datasets import Dataset
+    from trl import DistillationConfig, DistillationTrainer
+
+    if config.divergence not in JSD_BETA:
+        raise SpectuneError(f"onpolicy: divergence must be one of {', '.join(JSD_BETA)} (TRL's generalized JSD)")
+    settings = trainer_settings(config)
+    for sft_only in ("max_length", "packing", "include_num_input_tokens_seen"):
+        del settings[sft_only]
+    args = DistillationConfig(
+        **settings,
+        beta=JSD_BETA[config.divergence],
+        temperature=config.temperature,
+        max_completion_length=config.max_new_tokens,
+    )
+    train, held_out = (
+        Dataset.from_dict({"prompt": prompts})
+        for prompts in (conversation_prompts(split[0]), conversation_prompts(split[1])[: config.max_eval])
+    )
+    generating = copy.deepcopy(tokenizer)
+    generating.padding_side = "left"  # batched generation pads on the left
+    return DistillationTrainer(
+        model=model,
+        teacher_model=teacher,
+        args=args,
+        train_dataset=train,
+        eval_dataset=held_out,
+        processing_class=generating,
+    )
 
 
 def _load_causal_lm(path: Path) -> Any:
@@ -146,24 +266,32 @@ def train_draft(config: DraftConfig) -> DraftResult:
     if target_tokenizer.get_vocab() != tokenizer.get_vocab():
         raise SpectuneError(f"{config.draft} and {config.target} do not share a tokenizer: a draft must")
     set_seed(config.seed)
-    split = None
-    teacher = None
-    if config.method in ("kd", "onpolicy"):
-        teacher = _load_causal_lm(config.target).eval()
-    if config.method == "onpolicy":  # train and evaluate on what the target itself says
-        split = tuple(target_answers(teacher, tokenizer, part, config.max_new_tokens) for part in read_split(config))
+    split = read_split(config)
+    teacher = _load_causal_lm(config.target).eval() if config.method != "sft" else None
+    with Timer() as teacher_time:
+        if config.method == "seqkd":  # train and evaluate on what the target itself says
+            split = tuple(target_answers(teacher, tokenizer, part, config.max_new_tokens) for part in split)
     data = load_task_data(tokenizer, config, split)
     model = _load_causal_lm(config.draft)
-    trainer_class = (
-        distillation_trainer(teacher, config.divergence, config.temperature) if config.method == "kd" else SFTTrainer
-    )
-    trainer = trainer_class(
-        model=model,
-        args=SFTConfig(**trainer_settings(config)),
-        train_dataset=data.train,
-        eval_dataset=data.eval,
-        processing_class=tokenizer,
-    )
+    if config.method == "onpolicy":
+        trainer = onpolicy_trainer(config, model, teacher, tokenizer, split)
+    else:
+        kd = config.method == "kd"
+        trainer_class = distillation_trainer(config.divergence, config.temperature) if kd else SFTTrainer
+        trainer = trainer_class(
+            model=model,
+            args=SFTConfig(**trainer_settings(config)),
+            train_dataset=data.train,
+            eval_dataset=data.eval,
+            processing_class=tokenizer,
+        )
+    if config.method == "kd" and config.teacher_top_k:
+        with Timer() as cache_time:
+            trainer.teacher_top_k = cached_teacher(config, teacher, trainer)
+        teacher_time.seconds += cache_time.seconds
+        del teacher  # the cache replaces it: the draft trains without the target in memory
+    elif config.method == "kd":
+        trainer.teacher = teacher
     console.print(
         f"draft ({config.method}) from {config.draft}: {sum(p.numel() for p in model.parameters()):,} "
         f"parameters, {len(data.train)} dialogues, {data.trained_tokens:,} trained tokens"
@@ -180,6 +308,7 @@ def train_draft(config: DraftConfig) -> DraftResult:
         train_dialogues=len(data.train),
         trained_tokens=data.trained_tokens,
         seconds=outcome.seconds,
+        teacher_seconds=round(teacher_time.seconds, 2),
         peak_memory_bytes=peak,
         model_bytes=folder_bytes(out_model),
     )

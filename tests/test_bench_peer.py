@@ -1,0 +1,54 @@
+"""The llama.cpp peer: the command it runs and how its output is read.
+
+Building llama.cpp's tool takes ~8 minutes, too long for the suite; `benchmarks/speculative.py --peer` runs the real
+one. Here a stand-in script prints llama-speculative-simple's closing lines (captured from the real tool) and,
+like the real one about half the time, loses them on its first run.
+"""
+
+from __future__ import annotations
+
+import stat
+from pathlib import Path
+
+import pytest
+
+from spectune.bench.peer import run_peer
+from spectune.errors import SpectuneError
+
+REAL_TAIL = """0.00.060.465 I encoded    3 tokens in    0.001 seconds, speed: 5976.096 t/s
+0.00.060.466 I decoded   37 tokens in    0.016 seconds, speed: 2303.861 t/s
+0.00.060.466 I
+0.00.060.467 I n_draft   = 4
+0.00.060.467 I n_predict = 37
+0.00.060.467 I n_drafted = 47
+0.00.060.467 I n_accept  = 25
+0.00.060.469 I accept    = 53.191%
+"""
+
+
+def stand_in(tmp_path: Path, body: str) -> Path:
+    script = tmp_path / "llama-speculative-simple"
+    script.write_text(f'#!/bin/bash\necho "$@" > {tmp_path}/args\n{body}\n')
+    script.chmod(script.stat().st_mode | stat.S_IEXEC)
+    return script
+
+
+def test_reads_stats_and_retries_when_the_log_is_lost(tmp_path):
+    (tmp_path / "tail").write_text(REAL_TAIL)
+    body = f"""echo "the answer"
+if [ -f {tmp_path}/ran ]; then cat {tmp_path}/tail >&2; else touch {tmp_path}/ran; fi"""
+    run = run_peer(stand_in(tmp_path, body), Path("t.gguf"), Path("d.gguf"), "hi", 4, 32, 2, 512, exact=True)
+    assert (run.decoded_tokens, run.drafted, run.accepted) == (37, 47, 25)
+    assert run.seconds == pytest.approx(0.016) and run.tokens_per_second == pytest.approx(37 / 0.016)
+    assert "the answer" in run.text
+    args = (tmp_path / "args").read_text().split()
+    for flag, value in (("-md", "d.gguf"), ("--spec-type", "draft-simple"), ("--spec-draft-n-max", "4"), ("-t", "2")):
+        assert args[args.index(flag) + 1] == value
+    assert "--no-repack" in args
+
+
+def test_a_failing_tool_is_reported(tmp_path):
+    with pytest.raises(SpectuneError, match="exit 3"):
+        run_peer(stand_in(tmp_path, "echo boom >&2; exit 3"), Path("t"), Path("d"), "hi", 4, 8, 1, 512, exact=False)
+    with pytest.raises(SpectuneError, match="could not find"):
+        run_peer(stand_in(tmp_path, "echo no stats"), Path("t"), Path("d"), "hi", 4, 8, 1, 512, exact=False)
