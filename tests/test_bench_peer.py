@@ -44,7 +44,7 @@ if [ -f {tmp_path}/ran ]; then cat {tmp_path}/tail >&2; else touch {tmp_path}/ra
     args = (tmp_path / "args").read_text().split()
     for flag, value in (("-md", "d.gguf"), ("--spec-type", "draft-simple"), ("--spec-draft-n-max", "4"), ("-t", "2")):
         assert args[args.index(flag) + 1] == value
-    assert "--no-repack" in args
+    assert "--no-repack" in args and args[args.index("-fa") + 1] == "off"
 
 
 def test_a_failing_tool_is_reported(tmp_path):

@@ -115,7 +115,7 @@ def run_peer(
         *("-p", prompt, "-n", str(max_tokens), "-c", str(n_ctx), "--temp", "0", "--top-k", "1"),
         *("--spec-draft-n-max", str(draft_tokens), "--spec-draft-n-min", "0", "--spec-draft-p-min", "0"),
         *("-t", str(threads), "-tb", str(threads), "-td", str(threads), "-tbd", str(threads)),
-        *(("--no-repack",) if exact else ()),
+        *(("--no-repack", "-fa", "off") if exact else ()),
     ]
     env = {**os.environ, **({"GGML_CPU_TILED_MM": "0"} if exact else {})}
     # llama.cpp's logger is an unflushed background queue, so its closing stats are lost at exit about half the

@@ -1,9 +1,11 @@
 """A thin wrapper over llama.cpp's low-level API (through llama-cpp-python): load a GGUF, tokenize,
 decode a batch of tokens at given positions, read logits, and roll the KV cache back.
 
-`exact=True` makes batched logits bit-identical to one-token logits on the CPU backend: no weight repacking
-(`use_extra_bufts = False`, llama.cpp's --no-repack) and no tiled K-quant matmul (GGML_CPU_TILED_MM=0), so
-speculative greedy output equals plain greedy output at 4 bits. It costs 8–29% per token (see DESIGN.md).
+`exact=True` makes batched logits match one-token logits on the CPU backend: no weight repacking
+(`use_extra_bufts = False`, llama.cpp's --no-repack), no tiled K-quant matmul (GGML_CPU_TILED_MM=0) and no flash
+attention (its batched kernel differed from the one-token one by up to 0.03 in the logits past a few hundred tokens
+of context; without it the difference is ~1e-6), so speculative greedy output equals plain greedy output at 4 bits.
+It costs 8–29% per token (see DESIGN.md).
 """
 
 from __future__ import annotations
@@ -77,6 +79,8 @@ class LlamaModel:
         # Both set explicitly: the default batch thread count stalled ~0.5 s per batch on 2 cores.
         context_params.n_threads = self.threads
         context_params.n_threads_batch = self.threads
+        if exact:
+            context_params.flash_attn_type = llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED
         self.ctx = llama_cpp.llama_init_from_model(self.model, context_params)
         if not self.ctx:
             raise SpectuneError(f"{self.path}: llama.cpp could not create a context of {n_ctx} tokens")
@@ -142,11 +146,13 @@ class LlamaModel:
             status = self.lib.llama_decode(self.ctx, batch)
             if status != 0:
                 raise SpectuneError(f"llama_decode failed (status {status}) at position {start + offset}")
-            wanted = range(len(chunk)) if all_logits else ([len(chunk) - 1] if last_chunk else [])
-            for i in wanted:
-                pointer = self.lib.llama_get_logits_ith(self.ctx, i)
-                rows.append(np.ctypeslib.as_array(pointer, shape=(self.n_vocab,)).copy())
-        return np.stack(rows)
+            if all_logits:  # the outputs of this batch, contiguous in the order asked
+                pointer = self.lib.llama_get_logits(self.ctx)
+                rows.append(np.ctypeslib.as_array(pointer, shape=(len(chunk), self.n_vocab)).copy())
+            elif last_chunk:
+                pointer = self.lib.llama_get_logits_ith(self.ctx, len(chunk) - 1)
+                rows.append(np.ctypeslib.as_array(pointer, shape=(1, self.n_vocab)).copy())
+        return np.concatenate(rows)
 
     def truncate(self, length: int) -> None:
         """Forget every cached position >= `length` (roll back rejected draft tokens)."""
@@ -156,12 +162,10 @@ class LlamaModel:
 
     def reusable_prefix(self, tokens: list[int]) -> int:
         """How many leading `tokens` the cache already holds (a new turn of a conversation reuses them)."""
-        length = 0
-        for have, want in zip(self.cached, tokens, strict=False):
-            if have != want:
-                break
-            length += 1
-        return length
+        length = min(len(self.cached), len(tokens))
+        if self.cached[:length] == tokens[:length]:  # the usual case, compared in C: the step loop calls this
+            return length
+        return next(i for i, (have, want) in enumerate(zip(self.cached, tokens, strict=False)) if have != want)
 
 
 @dataclass
