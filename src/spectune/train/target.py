@@ -74,9 +74,17 @@ def load_base(model_dir: Path, four_bit: bool) -> Any:
         kwargs["quantization_config"] = quantization_config()
         kwargs["device_map"] = {"": 0} if has_cuda() else {"": "cpu"}
     try:
-        return AutoModelForCausalLM.from_pretrained(str(model_dir), local_files_only=True, **kwargs)
+        model = AutoModelForCausalLM.from_pretrained(str(model_dir), local_files_only=True, **kwargs)
     except (OSError, ValueError) as exc:
         raise SpectuneError(f"{model_dir}: cannot load the model: {exc}") from exc
+    # On CPUs with AVX512-BF16, bitsandbytes repacks 4-bit weights at the first eval-mode forward into an
+    # inference-only layout with no autograd kernel: training after the trainer's first evaluation then dropped the
+    # gradient through every frozen layer ("gemv_4bit: an autograd kernel was not registered"), and biased layers
+    # (Qwen2) failed outright. Keep the trainable layout.
+    for module in model.modules():
+        if hasattr(module, "support_avx512bf16_for_cpu"):
+            module.support_avx512bf16_for_cpu = False
+    return model
 
 
 def _smallest_layer_width(model: Any) -> int:
