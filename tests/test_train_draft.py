@@ -142,3 +142,12 @@ def test_draft_cli_reports_config_errors(tmp_path, capsys):
     assert run_cli("draft", "--method", "magic", "--out", str(tmp_path)) == 2
     err = capsys.readouterr().err
     assert "[method]" in err and "[target]" in err
+
+
+def test_draft_settings_that_do_not_fit_the_method_are_refused(micro_pair, demo_data, tmp_path, capsys):
+    common = ("--target", str(micro_pair / "target"), "--draft", str(micro_pair / "draft"), "--data", str(demo_data))
+    assert run_cli("draft", *common, "--out", str(tmp_path), "--method", "onpolicy", "--divergence", "tv") == 2
+    assert "not tv" in capsys.readouterr().err
+    assert run_cli("draft", *common, "--out", str(tmp_path), "--method", "sft", "--teacher-top-k", "8") == 2
+    assert "kd only" in capsys.readouterr().err
+    assert not (tmp_path / "model").exists()

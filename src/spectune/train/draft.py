@@ -22,7 +22,7 @@ import copy
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, model_validator
 
 from spectune.data.read import Dialogue
 from spectune.errors import SpectuneError
@@ -57,6 +57,14 @@ class DraftConfig(TrainConfig):
     temperature: float = Field(1.0, gt=0)
     max_new_tokens: int = Field(96, ge=1)  # seqkd / onpolicy: longest answer generated
     teacher_top_k: int = Field(0, ge=0)  # kd: 0 = teacher on the fly, else cache its top-k log-probs once
+
+    @model_validator(mode="after")
+    def _fits_method(self) -> DraftConfig:
+        if self.method == "onpolicy" and self.divergence not in JSD_BETA:
+            raise ValueError(f"onpolicy takes divergence {', '.join(JSD_BETA)} (TRL's generalized JSD), not tv")
+        if self.teacher_top_k and self.method != "kd":
+            raise ValueError("teacher_top_k caches the teacher for kd only")
+        return self
     lr: float = Field(1e-3, gt=0)
 
 
@@ -200,8 +208,6 @@ def onpolicy_trainer(config: DraftConfig, model: Any, teacher: Any, tokenizer: A
     from datasets import Dataset
     from trl import DistillationConfig, DistillationTrainer
 
-    if config.divergence not in JSD_BETA:
-        raise SpectuneError(f"onpolicy: divergence must be one of {', '.join(JSD_BETA)} (TRL's generalized JSD)")
     settings = trainer_settings(config)
     for sft_only in ("max_length", "packing", "include_num_input_tokens_seen"):
         del settings[sft_only]
