@@ -101,6 +101,8 @@ def bench(config: BenchConfig) -> dict[str, Any]:
                 "ttft_ms": 1000 * statistics.median(s.ttft_seconds for s in stats),
                 "acceptance": stats[0].acceptance_rate,
                 "mean_accepted_len": stats[0].mean_accepted_len,
+                "produced": stats[0].produced,
+                "verify_steps": stats[0].verify_steps,
                 "drafted_at": stats[0].drafted_at,
                 "accepted_at": stats[0].accepted_at,
                 "draft_seconds": statistics.median(s.draft_seconds for s in stats),
@@ -193,7 +195,8 @@ def _summary(name: str, rows: list[dict], profile: dict, config: BenchConfig, dr
     speedups = [v["speedup"] for v in variants]
     drafted = sum(sum(v["drafted_at"]) for v in variants)
     accepted = sum(sum(v["accepted_at"]) for v in variants)
-    tau = statistics.mean(v["mean_accepted_len"] for v in variants)
+    # Pooled over prompts (tokens / steps), as the offline meter pools: short answers do not weigh more.
+    tau = sum(v["produced"] for v in variants) / max(1, sum(v["verify_steps"] for v in variants))
     k = draft_length(config, name)
     cost_ratio = profile["cost_ratio"]
     gpu_c = (config.gpu_cost_ratio or {}).get(name) or draft_path.stat().st_size / config.target.stat().st_size
