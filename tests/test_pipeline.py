@@ -71,10 +71,18 @@ def test_pipeline_runs_skips_and_resumes(micro_pair, tmp_path, monkeypatch):
     before = {name: stage["seconds"] for name, stage in manifest["stages"].items()}
     import spectune.bench.run as bench_module
 
+    real_bench = bench_module.bench
     monkeypatch.setattr(bench_module, "bench", must_not_run)
     run_pipeline(config)  # nothing changed: every stage is skipped
     after = json.loads((tmp_path / "run" / "manifest.json").read_text())["stages"]
     assert {name: stage["seconds"] for name, stage in after.items()} == before
+
+    reran = []
+    monkeypatch.setattr(bench_module, "bench", lambda c: reran.append(c) or real_bench(c))
+    run_pipeline(config, only="bench")  # --only reruns that stage, unchanged as it is, and nothing else
+    assert len(reran) == 1
+    after = json.loads((tmp_path / "run" / "manifest.json").read_text())["stages"]
+    assert after["bench"]["started"] > manifest["stages"]["bench"]["started"]
 
 
 def test_a_broken_config_is_refused_with_every_error(tmp_path, capsys):

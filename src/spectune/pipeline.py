@@ -205,6 +205,8 @@ class Run:
             if record.get("status") != "done":
                 raise SpectuneError(f"--only {self.only}: stage {name} it depends on has not finished")
             skip = True
+        elif self.only:  # the named stage reruns even when its inputs are unchanged
+            skip = False
         header = f"stage {len(self.order)}/{total}: {name}"
         if skip:
             console.print(f"[dim]{header} (unchanged, skipped)[/]")

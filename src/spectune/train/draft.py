@@ -65,6 +65,7 @@ class DraftConfig(TrainConfig):
         if self.teacher_top_k and self.method != "kd":
             raise ValueError("teacher_top_k caches the teacher for kd only")
         return self
+
     lr: float = Field(1e-3, gt=0)
 
 
