@@ -29,12 +29,16 @@ def drafts(micro_pair, tuned_target, sft_draft, demo_data, tmp_path_factory):
     results = {}
     variants = {"kd": {}, "kd-top64": {"teacher_top_k": 64}, "seqkd": {}, "onpolicy": {"batch_size": 4}}
     for name, options in variants.items():
+        out = tmp_path_factory.mktemp(name)
+        stale = out / "checkpoints" / "checkpoint-999"  # left by an earlier, different run in the same folder
+        stale.mkdir(parents=True)
+        (stale / "trainer_state.json").write_text("{}")
         results[name] = train_draft(
             DraftConfig(
                 target=tuned_target,
                 draft=micro_pair / "draft",
                 data=demo_data,
-                out=tmp_path_factory.mktemp(name),
+                out=out,
                 method=name.split("-")[0],
                 max_steps=20,
                 lr=3e-3,
@@ -42,6 +46,7 @@ def drafts(micro_pair, tuned_target, sft_draft, demo_data, tmp_path_factory):
                 **{**STEPS, **options},
             )
         )
+        assert not stale.exists()  # a fresh run never resumes into another run's checkpoint
     results["sft"] = DraftResult.model_validate(json.loads((sft_draft.parent / "draft.json").read_text())["result"])
     return results
 

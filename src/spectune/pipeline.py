@@ -212,7 +212,7 @@ class Run:
             console.print(f"[dim]{header} (unchanged, skipped)[/]")
             return record["outputs"]
         console.rule(header)
-        resuming = record.get("status") == "running"
+        resuming = record.get("status") == "running" and record.get("inputs") == key
         self.manifest["stages"][name] = {"status": "running", "inputs": key, "started": time.time()}
         self.save()
         start = time.perf_counter()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import resource
+import shutil
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -197,6 +198,8 @@ def train_and_save(trainer: Any, tokenizer: Any, config: TrainConfig, save_to: P
     resume_from = last_checkpoint(config.out) if config.resume else None
     if config.resume and resume_from is None:
         console.print("[yellow]--resume: no complete checkpoint yet, starting from the beginning[/]")
+    if not config.resume:  # a fresh run: checkpoints of an earlier one must never be resumed into this one
+        shutil.rmtree(config.out / "checkpoints", ignore_errors=True)
     with Timer() as timer, out_of_memory_advice(config):
         before = trainer.evaluate()["eval_loss"]
         trainer.train(resume_from_checkpoint=str(resume_from) if resume_from else None)
