@@ -282,8 +282,8 @@ def markdown(report: dict[str, Any]) -> str:
     lines += [
         "",
         "Predicted GPU speedup: τ / (1 + k·c), decoding memory-bound (r = 1), c from the GGUF size ratio. "
-        "On a small CPU verification is compute-bound (r(k+1) well above 1), so the wall-clock speedup here "
-        "stays near or below 1 whatever the acceptance.",
+        "Predicted here: τ / (r(k+1) + k·c) with this machine's measured r and c; on a small CPU verification is "
+        "compute-bound (r(k+1) well above 1), so only a draft with a high τ gains wall-clock time here.",
         "",
     ]
     return "\n".join(lines)
