@@ -650,7 +650,7 @@ def demo(
     console.print()
     console.print(summary["line"], markup=False)
     console.print(
-        f"\nWhy the two speedups differ: on this machine verifying {config.bench.draft_max + 1} tokens costs "
+        f"\nWhy the two speedups differ: on this machine verifying {bench[best]['draft_max'] + 1} tokens costs "
         f"{bench[best]['verify_ratio']:.1f}x one token (r), because decoding on a small CPU is compute-bound. On a GPU "
         "decoding is memory-bound, a batch of k+1 tokens costs about what one does (r = 1), and the same acceptance "
         f"gives the predicted speedup. Measured here: target {profile['target_ms_per_token']:.2f} ms/token, "
