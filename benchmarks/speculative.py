@@ -13,25 +13,10 @@ import json
 import platform
 from pathlib import Path
 
+from spectune.bench.run import SUMMARY_KEYS
 from spectune.pipeline import load_run_config, run_pipeline
 
 RESULTS = Path(__file__).parent / "results"
-KEYS = (
-    "n",
-    "draft_max",
-    "identical",
-    "exact",
-    "mean_speedup",
-    "best_speedup",
-    "worst_speedup",
-    "acceptance",
-    "mean_accepted_len",
-    "cost_ratio",
-    "verify_ratio",
-    "predicted_speedup_here",
-    "predicted_speedup_gpu",
-    "gpu_cost_ratio",
-)
 
 
 def main() -> None:
@@ -44,7 +29,7 @@ def main() -> None:
     manifest = json.loads((config.run_dir / "manifest.json").read_text())
     drafts = {}
     for name, s in summary["bench"].items():
-        drafts[name] = {key: s[key] for key in KEYS}
+        drafts[name] = {key: s[key] for key in SUMMARY_KEYS}
         drafts[name]["vs_llama_cpp"] = s.get("vs_llama_cpp")  # None: the peer was not run
         drafts[name]["llama_cpp_identical"] = s.get("llama_cpp_identical")
     result = {

@@ -9,25 +9,7 @@ import argparse
 import json
 from pathlib import Path
 
-from spectune.bench.run import BenchConfig, bench
-
-KEYS = (
-    "n",
-    "draft_max",
-    "identical",
-    "exact",
-    "mean_speedup",
-    "best_speedup",
-    "worst_speedup",
-    "acceptance",
-    "mean_accepted_len",
-    "cost_ratio",
-    "verify_ratio",
-    "predicted_speedup_gpu",
-    "vs_llama_cpp",
-    "llama_cpp_tokens_per_second",
-    "llama_cpp_identical",
-)
+from spectune.bench.run import PEER_KEYS, SUMMARY_KEYS, BenchConfig, bench
 
 
 def main() -> None:
@@ -64,7 +46,7 @@ def main() -> None:
             plot=plot,
         )
     )
-    result = {name: {key: s.get(key) for key in KEYS} for name, s in report["summary"].items()}
+    result = {name: {key: s.get(key) for key in SUMMARY_KEYS + PEER_KEYS} for name, s in report["summary"].items()}
     (args.out / "speculative_gpu.json").write_text(json.dumps({"target": target.name, "drafts": result}, indent=2))
     print((args.out / "report.md").read_text())
 

@@ -27,6 +27,24 @@ from spectune.runtime.speculative import SamplingConfig, SpeculativeDecoder, Sta
 from spectune.speedup import speedup, verify_ratio_at
 
 console = Console()
+# What benchmarks/speculative.py and benchmarks/gpu/bench.py keep of each draft's summary.
+SUMMARY_KEYS = (
+    "n",
+    "draft_max",
+    "identical",
+    "exact",
+    "mean_speedup",
+    "best_speedup",
+    "worst_speedup",
+    "acceptance",
+    "mean_accepted_len",
+    "cost_ratio",
+    "verify_ratio",
+    "predicted_speedup_here",
+    "predicted_speedup_gpu",
+    "gpu_cost_ratio",
+)
+PEER_KEYS = ("vs_llama_cpp", "llama_cpp_tokens_per_second", "llama_cpp_identical")
 
 
 @dataclass
