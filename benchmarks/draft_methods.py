@@ -8,28 +8,20 @@ Usage: python benchmarks/draft_methods.py configs/demo-medium.yaml --name medium
 
 from __future__ import annotations
 
-import argparse
 import json
-from pathlib import Path
 
-from spectune.pipeline import load_run_config, run_pipeline
+from pipeline_run import RESULTS, run_from_command_line
 
-RESULTS = Path(__file__).parent / "results"
+from spectune.train.acceptance import GPU
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("config", type=Path)
-    parser.add_argument("--name", required=True, help="suffix of the result files")
-    args = parser.parse_args()
-    config = load_run_config(args.config)
-    run_pipeline(config)  # finished stages are reused from the run directory
-    manifest = json.loads((config.run_dir / "manifest.json").read_text())
-    acceptance = json.loads((config.run_dir / "acceptance.json").read_text())
-    gpu = next(p["name"] for p in acceptance["profiles"] if p["name"].startswith("gpu"))
+    config, _, name = run_from_command_line(__doc__)
+    manifest = json.loads(config.layout.manifest.read_text())
+    acceptance = json.loads(config.layout.acceptance.read_text())
     rows = []
     for row in acceptance["drafts"]:
-        k = row["best_k"][gpu]
+        k = row["recommended_k"]
         trained = manifest["stages"].get(f"draft:{row['name']}", {}).get("outputs", {})
         rows.append(
             {
@@ -37,20 +29,30 @@ def main() -> None:
                 "alpha": row["alpha"],
                 "tau": row["tau_simulated"][str(k)],
                 "best_k": k,
-                "predicted_speedup": row["speedup"][gpu][str(k)],
-                "profile": gpu,
+                "predicted_speedup": row["speedup"][GPU][str(k)],
+                "profile": GPU,
                 "train_seconds": trained.get("seconds", 0.0) + trained.get("teacher_seconds", 0.0),
                 "eval_loss": [trained.get("eval_loss_before"), trained.get("eval_loss_after")],
             }
         )
     pair, data = manifest["config"]["models"], manifest["config"]["data"]
-    result = {"pair": pair, "data": data, "prompts": acceptance["prompts"], "threads": manifest["config"]["threads"]}
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / f"draft_methods_{args.name}.json").write_text(json.dumps({**result, "rows": rows}, indent=2))
+    tuned = manifest["stages"]["finetune"]["outputs"]
+    result = {
+        "pair": pair,
+        "data": data,
+        "prompts": acceptance["prompts"],
+        "threads": manifest["config"]["threads"],
+        "target_eval_loss": {"before": tuned["eval_loss_before"], "after": tuned["eval_loss_after"]},
+        "target_finetune_seconds": tuned["seconds"],
+    }
+    (RESULTS / f"draft_methods_{name}.json").write_text(json.dumps({**result, "rows": rows}, indent=2))
     lines = [
-        f"# draft methods ({args.name})",
+        f"# draft methods ({name})",
         "",
         f"pair: {pair}; data: {data}; {acceptance['prompts']} held-out prompts",
+        "",
+        f"target eval loss {tuned['eval_loss_before']:.3f} -> {tuned['eval_loss_after']:.3f} after QLoRA "
+        f"({tuned['seconds']:.0f} s)",
         "",
         "| draft | α | τ(k*) | k* | predicted GPU speedup | train s (teacher work included) |",
         "|---|---|---|---|---|---|",
@@ -60,7 +62,7 @@ def main() -> None:
         f"| {r['train_seconds']:.0f} |"
         for r in rows
     ]
-    (RESULTS / f"draft_methods_{args.name}.md").write_text("\n".join(lines) + "\n")
+    (RESULTS / f"draft_methods_{name}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
 

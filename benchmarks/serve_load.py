@@ -28,11 +28,17 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else 0.0
 
 
-async def one(client: httpx.AsyncClient, messages: list, max_tokens: int) -> dict:
+async def one(client: httpx.AsyncClient, messages: list, max_tokens: int, user: str | None = None) -> dict:
     start = time.perf_counter()
     first = None
     completion = 0
-    body = {"messages": messages, "max_tokens": max_tokens, "stream": True}
+    body = {
+        "messages": messages,
+        "max_tokens": max_tokens,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "user": user,
+    }
     async with client.stream("POST", "/v1/chat/completions", json=body) as response:
         if response.status_code != 200:
             return {"error": response.status_code}
@@ -40,7 +46,7 @@ async def one(client: httpx.AsyncClient, messages: list, max_tokens: int) -> dic
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
             chunk = json.loads(line[6:])
-            if chunk["choices"][0]["delta"].get("content") and first is None:
+            if chunk["choices"] and chunk["choices"][0]["delta"].get("content") and first is None:
                 first = time.perf_counter() - start
             if "usage" in chunk:
                 completion = chunk["usage"]["completion_tokens"]
@@ -67,13 +73,14 @@ async def conversation_ttft(url: str, prompts: list, turns: int, max_tokens: int
     """TTFT (ms) of turns 2.. of growing conversations, as a voice call has them, one client."""
     ttfts = []
     async with httpx.AsyncClient(base_url=url, timeout=120) as client:
-        for prompt in prompts:
+        for call, prompt in enumerate(prompts):
             messages = list(prompt.messages)
             for turn in range(turns):
-                result = await one(client, messages, max_tokens)
+                result = await one(client, messages, max_tokens, user=f"call-{call}")  # a slot reuses a caller's prefix
                 if turn:
                     ttfts.append(1000 * result["ttft"])
-                reply = await client.post("/v1/chat/completions", json={"messages": messages, "max_tokens": max_tokens})
+                body = {"messages": messages, "max_tokens": max_tokens, "user": f"call-{call}"}
+                reply = await client.post("/v1/chat/completions", json=body)
                 messages += [
                     {"role": "assistant", "content": reply.json()["choices"][0]["message"]["content"] or "Ok."},
                     {"role": "user", "content": "Thanks, and one more thing."},

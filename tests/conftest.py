@@ -10,14 +10,11 @@ import pytest
 os.environ.setdefault("SPECTUNE_THREADS", "1")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-SGD_DIR = Path(__file__).resolve().parents[2] / "shared" / "data" / "sgd"
-
 
 @pytest.fixture(scope="session")
 def sgd_dev() -> Path:
-    path = SGD_DIR / "dev.jsonl"
-    assert path.is_file(), f"the SGD dev set must be present beside the repo at {path}"
-    return path
+    """40 real SGD dev dialogues shipped with the tests (tests/data/README.md: source and licence)."""
+    return Path(__file__).parent / "data" / "sgd_dev_sample.jsonl"
 
 
 def run_cli(*args: str) -> int:

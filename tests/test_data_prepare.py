@@ -105,10 +105,10 @@ def test_cli_inspect_sgd_prints_its_table(sgd_dev, tmp_path, capsys):
     out = tmp_path / "stats.json"
     assert run_cli("data", "inspect", str(sgd_dev), "--json", str(out)) == 0
     printed = capsys.readouterr().out
-    assert "dialogues" in printed and "2098" in printed and "assistant words/turn" in printed
+    assert "dialogues" in printed and "40" in printed and "assistant words/turn" in printed
     stats = json.loads(out.read_text())
-    assert stats["records"] == 2098 and stats["invalid_lines"] == 0 and stats["duplicates"] == 0
-    assert stats["role_mix"] == {"user": 19384, "assistant": 19384}
+    assert stats["records"] == 40 and stats["invalid_lines"] == 0 and stats["duplicates"] == 0
+    assert stats["role_mix"] == {"user": 242, "assistant": 242}
 
 
 def test_cli_version_and_help(capsys):

@@ -140,11 +140,11 @@ def test_datasets_save_to_disk_folder(tmp_path):
         read_dialogues(tmp_path)
 
 
-def test_sgd_dev_loads_with_expected_counts(sgd_dev):
+def test_sgd_sample_loads_with_expected_counts(sgd_dev):
     result = read_dialogues(sgd_dev)
-    assert result.records == len(result.dialogues) == 2098
+    assert result.records == len(result.dialogues) == 40
     roles = [t["role"] for d in result.dialogues for t in d.messages]
-    assert roles.count("user") == roles.count("assistant") == 19384
+    assert roles.count("user") == roles.count("assistant") == 242
     assert result.dropped == []
 
 

@@ -10,19 +10,18 @@ from conftest import run_cli, swap_two_tokens
 
 from spectune.errors import SpectuneError
 from spectune.export.gguf import convert, export_model
-from spectune.export.pair import check_pair, export_pair, fidelity
+from spectune.export.pair import ExportPairConfig, export_pair, fidelity
 from spectune.runtime.llama import LlamaModel
+from spectune.runtime.pair import check_pair
 
 
 @pytest.fixture(scope="module")
 def exported(tuned_target, sft_draft, demo_data, tmp_path_factory):
-    from spectune.data.read import read_dialogues
-    from spectune.models.load import load_tokenizer
-
-    tokenizer = load_tokenizer(tuned_target)
-    texts = [tokenizer.apply_chat_template(d.messages, tokenize=False) for d in read_dialogues(demo_data).dialogues[:6]]
     out = tmp_path_factory.mktemp("pair")
-    return export_pair(tuned_target, sft_draft, out, "Q4_K_M", texts), out
+    config = ExportPairConfig(
+        target=tuned_target, drafts={"draft": sft_draft}, out=out, data=demo_data, fidelity_dialogues=6, keep_f16=True
+    )
+    return export_pair(config), out
 
 
 def test_export_pair_checks_and_reports(exported):
@@ -34,7 +33,10 @@ def test_export_pair_checks_and_reports(exported):
         assert entry["fidelity"]["top1_agreement"] > 0.9
         assert entry["fidelity"]["perplexity_gguf"] < 1.2 * entry["fidelity"]["perplexity_hf"]
     assert report["pairs"]["draft"]["target_tokens"] == report["pairs"]["draft"]["draft_tokens"]
-    assert "--spec-type draft-simple" in (out / "llama-server.sh").read_text()
+    script = (out / "llama-server.sh").read_text()
+    assert "--spec-type draft-simple" in script and "--spec-draft-n-max 8" in script  # no acceptance report: k = 8
+    assert "--draft-max" not in script  # removed from the pinned llama.cpp
+    assert json.loads((out / "pair.json").read_text())["draft_name"] == "draft"
     assert json.loads((out / "export.json").read_text())["quant"] == "Q4_K_M"
 
 
@@ -43,10 +45,10 @@ def test_q4_k_m_loads_and_generates(exported):
 
     _, out = exported
     model = LlamaModel(out / "target.Q4_K_M.gguf", n_ctx=256, threads=1)
-    tokens, stats = SpeculativeDecoder(model).generate(
+    generation = SpeculativeDecoder(model).generate(
         model.tokenize("<|im_start|>user\nHi<|im_end|>\n"), SamplingConfig(max_tokens=8)
     )
-    assert stats.generated == len(tokens) > 0
+    assert generation.stats.generated == len(generation.tokens) > 0
 
 
 def test_f32_fidelity_is_exact(tuned_target, tmp_path):

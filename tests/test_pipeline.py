@@ -10,8 +10,9 @@ import yaml
 from conftest import run_cli
 
 from spectune.config import validate
+from spectune.data.read import read_dialogues, write_jsonl
 from spectune.errors import SpectuneError
-from spectune.pipeline import RunConfig, load_run_config, run_pipeline
+from spectune.pipeline import DataSettings, DraftsSettings, RunConfig, load_run_config, run_pipeline, stages
 
 STAGES = ["data", "models", "finetune", "merge", "draft:sft", "acceptance", "export", "bench"]
 
@@ -33,29 +34,27 @@ def micro_config(run_dir, models_dir) -> RunConfig:
 
 def test_pipeline_runs_skips_and_resumes(micro_pair, tmp_path, monkeypatch):
     config = micro_config(tmp_path / "run", micro_pair.parent)
-    import spectune.train.draft as draft_module
+    import spectune.pipeline as stages_module  # the stage functions call the entry functions it imported
 
-    real_train_draft = draft_module.train_draft
+    real_train_draft = stages_module.train_draft
     calls = []
 
     def interrupted(draft_config):
         calls.append(draft_config.resume)
         raise KeyboardInterrupt  # Ctrl-C in the middle of the draft stage
 
-    monkeypatch.setattr(draft_module, "train_draft", interrupted)
+    monkeypatch.setattr(stages_module, "train_draft", interrupted)
     with pytest.raises(KeyboardInterrupt):
         run_pipeline(config)
     manifest = json.loads((tmp_path / "run" / "manifest.json").read_text())
     assert manifest["stages"]["finetune"]["status"] == "done"
     assert manifest["stages"]["draft:sft"]["status"] == "running"
 
-    import spectune.train.target as target_module
-
     def must_not_run(*args, **kwargs):
         raise AssertionError("a finished stage ran again")
 
-    monkeypatch.setattr(target_module, "finetune", must_not_run)
-    monkeypatch.setattr(draft_module, "train_draft", lambda c: calls.append(c.resume) or real_train_draft(c))
+    monkeypatch.setattr(stages_module, "finetune", must_not_run)
+    monkeypatch.setattr(stages_module, "train_draft", lambda c: calls.append(c.resume) or real_train_draft(c))
     summary = run_pipeline(config)  # resumes at the unfinished stage
     assert calls == [False, True]  # the interrupted stage continues from its checkpoint
     manifest = json.loads((tmp_path / "run" / "manifest.json").read_text())
@@ -67,18 +66,16 @@ def test_pipeline_runs_skips_and_resumes(micro_pair, tmp_path, monkeypatch):
     assert summary["bench"]["sft"]["identical"] == 2
     assert (tmp_path / "run" / "report.md").is_file()
 
-    monkeypatch.setattr(draft_module, "train_draft", must_not_run)
+    monkeypatch.setattr(stages_module, "train_draft", must_not_run)
     before = {name: stage["seconds"] for name, stage in manifest["stages"].items()}
-    import spectune.bench.run as bench_module
-
-    real_bench = bench_module.bench
-    monkeypatch.setattr(bench_module, "bench", must_not_run)
+    real_bench = stages_module.bench
+    monkeypatch.setattr(stages_module, "bench", must_not_run)
     run_pipeline(config)  # nothing changed: every stage is skipped
     after = json.loads((tmp_path / "run" / "manifest.json").read_text())["stages"]
     assert {name: stage["seconds"] for name, stage in after.items()} == before
 
     reran = []
-    monkeypatch.setattr(bench_module, "bench", lambda c: reran.append(c) or real_bench(c))
+    monkeypatch.setattr(stages_module, "bench", lambda c: reran.append(c) or real_bench(c))
     run_pipeline(config, only="bench")  # --only reruns that stage, unchanged as it is, and nothing else
     assert len(reran) == 1
     after = json.loads((tmp_path / "run" / "manifest.json").read_text())["stages"]
@@ -111,3 +108,47 @@ def test_a_broken_config_is_refused_with_every_error(tmp_path, capsys):
     path.write_text("data: [unclosed\n")
     assert run_cli("run", str(path)) == 2
     assert "invalid YAML" in capsys.readouterr().err
+
+
+def test_a_changed_eval_file_reruns_what_reads_it_and_nothing_else(micro_pair, demo_data, tmp_path):
+    """The stale-result bug: acceptance, export and bench read the eval file, so a new one must rerun them (and the
+    data stage that copies it), while the models, the fine-tune, the merge and the drafts stay as they were."""
+    dialogues = read_dialogues(demo_data).dialogues
+    eval_file = tmp_path / "eval.jsonl"
+    write_jsonl(dialogues[:6], eval_file)
+    config = micro_config(tmp_path / "run", micro_pair.parent)
+    config = config.model_copy(update={"data": DataSettings(path=demo_data, eval_data=eval_file)})
+    run_pipeline(config)
+    manifest = tmp_path / "run" / "manifest.json"
+    first = json.loads(manifest.read_text())["stages"]
+    write_jsonl(dialogues[6:12], eval_file)  # same name, other prompts
+    run_pipeline(config)
+    second = json.loads(manifest.read_text())["stages"]
+    reran = {name for name in first if second[name]["started"] != first[name]["started"]}
+    assert reran == {"data", "acceptance", "export", "bench"}
+    assert second["acceptance"]["inputs"] != first["acceptance"]["inputs"]
+    assert second["finetune"]["inputs"] == first["finetune"]["inputs"]
+
+
+def test_the_stage_table_declares_what_each_stage_reads():
+    config = validate(RunConfig, {"drafts": {"methods": ["sft", "seqkd"]}}, "test")
+    table = {stage.name: stage for stage in stages(config)}
+    assert list(table) == [
+        "data",
+        "models",
+        "finetune",
+        "merge",
+        "draft:sft",
+        "draft:seqkd",
+        "acceptance",
+        "export",
+        "bench",
+    ]
+    assert table["acceptance"].needs == ("models", "merge", "draft:sft", "draft:seqkd")
+    assert "acceptance" in table["export"].needs and "acceptance" in table["bench"].needs
+    seqkd, sft = table["draft:seqkd"].settings(config), table["draft:sft"].settings(config)
+    assert seqkd == sft  # no overrides: the same settings
+    with_override = config.model_copy(
+        update={"drafts": DraftsSettings(methods=["sft", "seqkd"], overrides={"seqkd": {"max_train": 5}})}
+    )
+    assert table["draft:seqkd"].settings(with_override) != table["draft:sft"].settings(with_override)

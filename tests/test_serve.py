@@ -43,10 +43,10 @@ def messages(demo_data):
 
 def engine_answer(pair, messages, max_tokens: int) -> str:
     target = LlamaModel(pair[0], n_ctx=512, threads=1)
-    tokens, _ = SpeculativeDecoder(target).generate(
+    generation = SpeculativeDecoder(target).generate(
         target.tokenize(chat_prompt(target, messages)), SamplingConfig(max_tokens=max_tokens)
     )
-    return target.detokenize(tokens)
+    return generation.text
 
 
 def test_openai_client_non_stream_and_stream_match_the_engine(server, pair, messages):
@@ -57,14 +57,17 @@ def test_openai_client_non_stream_and_stream_match_the_engine(server, pair, mess
     reply = client.chat.completions.create(model="spectune", messages=messages, max_tokens=24, temperature=0)
     assert reply.choices[0].message.content == expected
     assert reply.usage.completion_tokens > 0
-    pieces, final = [], None
-    for part in client.chat.completions.create(model="spectune", messages=messages, max_tokens=24, stream=True):
+    pieces, parts = [], []
+    stream = client.chat.completions.create(
+        model="spectune", messages=messages, max_tokens=24, stream=True, stream_options={"include_usage": True}
+    )
+    for part in stream:
         if part.choices and part.choices[0].delta.content:
             pieces.append(part.choices[0].delta.content)
-        final = part
+        parts.append(part)
     assert "".join(pieces) == expected
-    assert final.choices[0].finish_reason in ("stop", "length")
-    assert final.usage.completion_tokens == reply.usage.completion_tokens
+    assert parts[-2].choices[0].finish_reason in ("stop", "length")
+    assert parts[-1].choices == [] and parts[-1].usage.completion_tokens == reply.usage.completion_tokens
     assert [m.id for m in client.models.list().data] == ["spectune"]
 
 
@@ -92,6 +95,7 @@ def test_sentence_chunking_streams_whole_clauses(server, messages):
         (b'{"messages": [{"role": "wizard", "content": "hi"}]}', 422, "role"),
         (b'{"messages": [{"role": "user", "content": "  "}]}', 422, "empty content"),
         (b'{"messages": [{"role": "user", "content": "hi"}], "temperature": 9}', 422, "temperature"),
+        (b'{"messages": [{"role": "user", "content": "hi"}], "seed": -1}', 422, "seed"),
         (json.dumps({"messages": [{"role": "user", "content": "word " * 800}]}).encode(), 413, "context"),
     ],
 )
@@ -109,10 +113,10 @@ def test_a_disconnected_client_stops_its_generation_and_frees_the_slot(server, m
     real_generate = SpeculativeDecoder.generate
     outcomes = []
 
-    def slow_steps(self, prompt, config, on_tokens=None):  # each step takes 50 ms, like a bigger model
-        def paced(tokens):
+    def slow_steps(self, prompt, config, on_text=None):  # each step takes 50 ms, like a bigger model
+        def paced(text):
             time.sleep(0.05)
-            keep_going = on_tokens(tokens)
+            keep_going = on_text(text)
             outcomes.append(keep_going)
             return keep_going
 

@@ -11,7 +11,7 @@ from conftest import run_cli, swap_two_tokens
 
 from spectune.errors import SpectuneError
 from spectune.speedup import expected_tokens, speedup
-from spectune.train.acceptance import run_acceptance, simulate_tau
+from spectune.train.acceptance import AcceptanceConfig, run_acceptance, simulate_tau
 from spectune.train.draft import (
     DraftConfig,
     DraftResult,
@@ -70,9 +70,16 @@ def test_cached_teacher_trains_like_the_live_one(drafts):
 
 def test_sft_beats_generic_on_held_out_prompts(micro_pair, tuned_target, drafts, demo_data, tmp_path):
     names = {"generic": micro_pair / "draft", **{m: r.model for m, r in drafts.items()}}
-    report = run_acceptance(
-        tuned_target, names, demo_data, n=12, max_new_tokens=24, temperature=1.0, json_out=tmp_path / "acceptance.json"
+    config = AcceptanceConfig(
+        target=tuned_target,
+        drafts=names,
+        data=demo_data,
+        n=12,
+        max_new_tokens=24,
+        temperature=1.0,
+        json_out=tmp_path / "acceptance.json",
     )
+    report = run_acceptance(config)
     alpha = {row["name"]: row["alpha"] for row in report["drafts"]}
     print(alpha)
     for name in ("sft", "kd", "kd-top64", "seqkd"):
@@ -82,6 +89,8 @@ def test_sft_beats_generic_on_held_out_prompts(micro_pair, tuned_target, drafts,
         assert 0.0 <= row["alpha_sampled"] <= 1.0
         assert set(row["tau_simulated"]) == {str(k) for k in range(1, 9)}
         assert all(1.0 <= tau <= k + 1 for k, tau in ((int(k), t) for k, t in row["tau_simulated"].items()))
+        gpu = row["speedup"]["gpu"]
+        assert gpu[str(row["recommended_k"])] == max(gpu.values()) or row["recommended_k"] == 1
     assert (tmp_path / "acceptance.json").is_file()
 
 

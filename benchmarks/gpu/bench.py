@@ -23,8 +23,7 @@ def main() -> None:
     target = next(args.pair.glob("target.*.gguf"))
     drafts = {path.name.split(".")[0]: path for path in sorted(args.pair.glob("*.gguf")) if path != target}
     acceptance = json.loads((args.pair / "acceptance.json").read_text())
-    gpu = next(p["name"] for p in acceptance["profiles"] if p["name"].startswith("gpu"))
-    best_k = {row["name"]: max(1, row["best_k"][gpu]) for row in acceptance["drafts"]}
+    recommended_k = {row["name"]: row["recommended_k"] for row in acceptance["drafts"]}
     try:
         import matplotlib  # noqa: F401
 
@@ -40,7 +39,7 @@ def main() -> None:
             out=args.out,
             n=args.n,
             repeats=args.repeats,
-            draft_max_by_draft=best_k,
+            recommended_k=recommended_k,
             peer=args.peer is not None,
             peer_binary=args.peer,
             plot=plot,

@@ -4,14 +4,15 @@
 #   - the pinned llama-cpp-python sdist stripped of what a CUDA build does not read (its .git, models, docs, web
 #     UI, tests, other GPU backends);
 #   - wheels (pure Python) for its build backend and the bench's imports: pip cannot reach PyPI there;
-#   - a trained pair from a finished run: its GGUFs, held-out prompts and acceptance.json (each draft's best k).
+#   - a trained pair from a finished run: its GGUFs, held-out prompts, acceptance.json (each draft's recommended k)
+#     and pair.json (the draft chosen to serve).
 # Usage: benchmarks/gpu/pack.sh RUN_DIR     (e.g. runs/demo-medium, after `spectune run configs/demo-medium.yaml`)
 set -euo pipefail
 run_dir=${1:?usage: pack.sh RUN_DIR}
 here=$(cd "$(dirname "$0")" && pwd)
 python=${PYTHON:-$here/../../.venv/bin/python}
 payload=$here/payload
-for needed in "$run_dir/gguf/export.json" "$run_dir/acceptance.json" "$run_dir/data/eval.jsonl"; do
+for needed in "$run_dir/gguf/export.json" "$run_dir/gguf/pair.json" "$run_dir/acceptance.json" "$run_dir/data/eval.jsonl"; do
   [[ -f $needed ]] || { echo "pack.sh: $needed is missing: is $run_dir a finished spectune run?" >&2; exit 2; }
 done
 rm -rf "$payload.tmp" && mkdir -p "$payload.tmp/wheels" "$payload.tmp/pair"
@@ -33,7 +34,7 @@ tar -czf "$payload.tmp/llama_cpp_python-$version.tar.gz" -C "$work" "llama_cpp_p
   scikit-build-core packaging pathspec diskcache jinja2 typing-extensions rich markdown-it-py mdurl pygments
 "$python" -m pip download -q --no-deps --no-binary=:all: -d "$payload.tmp/wheels" markupsafe
 
-cp "$run_dir"/gguf/*.gguf "$run_dir/acceptance.json" "$payload.tmp/pair/"
+cp "$run_dir"/gguf/*.gguf "$run_dir/gguf/pair.json" "$run_dir/acceptance.json" "$payload.tmp/pair/"
 cp "$run_dir/data/eval.jsonl" "$payload.tmp/pair/prompts.jsonl"
 rm -rf "$payload" && mv "$payload.tmp" "$payload"
 size=$(du -sm "$payload" | cut -f1)

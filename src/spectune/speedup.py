@@ -10,6 +10,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 GPU_VERIFY_RATIO = 1.0  # memory-bound decoding: k+1 tokens cost what one does
+MAX_DRAFT_LEN = 8  # the longest k the acceptance meter considers
+DEFAULT_DRAFT_MAX = MAX_DRAFT_LEN  # k where no measured recommendation exists
+GPU_PROFILE = "gpu"  # the memory-bound GPU profile, whose best k is each draft's recommended k
 
 
 def expected_tokens(alpha: float, k: int) -> float:

@@ -16,8 +16,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from spectune.atomic import atomic_path
+from spectune.cache import cache_root
 from spectune.errors import SpectuneError
-from spectune.export.converter import cache_root, fetch_sdist, llama_cpp_version
+from spectune.export.converter import fetch_sdist, llama_cpp_version
 
 TOOL = "llama-speculative-simple"
 LOG_ATTEMPTS = 8

@@ -11,20 +11,23 @@ from __future__ import annotations
 import json
 import statistics
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
+from pydantic import Field, field_validator
 from rich.console import Console
 
 from spectune.atomic import atomic_path
-from spectune.bench.peer import PeerRun
+from spectune.bench.peer import PeerRun, run_peer, tool_path
+from spectune.config import Settings
+from spectune.data.prepare import read_prompts
 from spectune.errors import SpectuneError
+from spectune.layout import TARGET
 from spectune.runtime.chat import chat_prompt
 from spectune.runtime.llama import LlamaModel
 from spectune.runtime.profile import measure_profile
-from spectune.runtime.speculative import SamplingConfig, SpeculativeDecoder, Stats
-from spectune.speedup import speedup, verify_ratio_at
+from spectune.runtime.speculative import Generation, SamplingConfig, SpeculativeDecoder
+from spectune.speedup import DEFAULT_DRAFT_MAX, speedup, verify_ratio_at
 
 console = Console()
 # What benchmarks/speculative.py and benchmarks/gpu/bench.py keep of each draft's summary.
@@ -33,6 +36,9 @@ SUMMARY_KEYS = (
     "draft_max",
     "identical",
     "exact",
+    "aggregate_speedup",
+    "total_tokens",
+    "total_seconds",
     "mean_speedup",
     "best_speedup",
     "worst_speedup",
@@ -47,37 +53,56 @@ SUMMARY_KEYS = (
 PEER_KEYS = ("vs_llama_cpp", "llama_cpp_tokens_per_second", "llama_cpp_identical")
 
 
-@dataclass
-class BenchConfig:
-    target: Path
-    drafts: dict[str, Path]
-    data: Path
-    out: Path
-    n: int = 30
-    repeats: int = 3
-    max_tokens: int = 64
-    draft_max: int = 8
-    draft_max_by_draft: dict[str, int] | None = None  # per-draft k (e.g. each draft's best k); default draft_max
-    draft_p_min: float = 0.0
-    adaptive: bool = False
-    exact: bool = True
-    threads: int | None = None
-    n_ctx: int = 2048
-    gpu_cost_ratio: dict[str, float] | None = None  # per draft; default: GGUF size ratio (memory-bound decoding)
-    peer: bool = False  # also run llama.cpp's llama-speculative-simple on the same pairs (`tools build-llama-cpp`)
-    peer_binary: Path | None = None  # default: the one `spectune tools build-llama-cpp` built
-    plot: bool = True  # PNG plots (matplotlib)
+class BenchSettings(Settings):
+    """The bench's settings: the `bench:` section of a run config and the flags of `spectune bench`."""
+
+    n: int = Field(30, ge=1, description="Prompts.")
+    repeats: int = Field(3, ge=1, description="Interleaved timed runs per prompt and variant (medians).")
+    max_tokens: int = Field(64, ge=1, description="Longest answer.")
+    draft_max: int | Literal["auto"] = Field(
+        "auto", description="Draft length k; auto: each draft's recommended k from the acceptance stage."
+    )
+    draft_p_min: float = Field(0.0, ge=0, le=1, description="Stop drafting below this draft confidence.")
+    adaptive: bool = Field(False, description="Adapt k to the running acceptance.")
+    exact: bool = Field(True, description="Batched logits equal to one-token ones (identical greedy answers).")
+    peer: bool = Field(False, description="Also run llama.cpp's own speculative decoder on each pair.")
+
+    @field_validator("draft_max")
+    @classmethod
+    def _positive(cls, value: int | str) -> int | str:
+        if isinstance(value, int) and value < 0:
+            raise ValueError("draft_max must be >= 0 or auto")
+        return value
 
 
-def bench(config: BenchConfig) -> dict[str, Any]:
-    from spectune.data.prepare import read_prompts
+class BenchConfig(BenchSettings):
+    """Everything `spectune bench` takes."""
 
-    prompts = read_prompts(config.data)[: config.n]
+    target: Path = Field(description="Target GGUF.")
+    drafts: dict[str, Path] = Field(description="Draft GGUFs by name.")
+    data: Path = Field(description="Prompts: a chat dataset or a `data prompts` file.")
+    out: Path = Field(Path("bench"), description="Folder for report.json, report.md, report.png.")
+    recommended_k: dict[str, int] = Field({}, description="k per draft where draft_max is auto.")
+    threads: int | None = Field(None, description="Threads for llama.cpp (default: $SPECTUNE_THREADS or all).")
+    n_ctx: int = Field(2048, ge=64, description="Context length.")
+    gpu_cost_ratio: dict[str, float] = Field({}, description="c per draft for the GPU prediction (default: sizes).")
+    peer_binary: Path | None = Field(None, description="llama-speculative-simple to compare with (default: built).")
+    plot: bool = Field(True, description="Also draw PNG plots.")
+
+
+def load_decoders(config: BenchConfig) -> tuple[LlamaModel, dict[str, SpeculativeDecoder]]:
+    """The target alone, then the target with each draft (one target context shared)."""
     target = LlamaModel(config.target, n_ctx=config.n_ctx, threads=config.threads, exact=config.exact)
-    decoders = {"target": SpeculativeDecoder(target)}
+    decoders = {TARGET: SpeculativeDecoder(target)}
     for name, path in config.drafts.items():
         draft = LlamaModel(path, n_ctx=config.n_ctx, threads=config.threads, exact=config.exact)
         decoders[name] = SpeculativeDecoder(target, draft)
+    return target, decoders
+
+
+def bench(config: BenchConfig) -> dict[str, Any]:
+    prompts = read_prompts(config.data)[: config.n]
+    target, decoders = load_decoders(config)
     sampling = {
         name: SamplingConfig(
             max_tokens=config.max_tokens,
@@ -92,52 +117,8 @@ def bench(config: BenchConfig) -> dict[str, Any]:
     for index, prompt in enumerate(prompts):
         text = chat_prompt(target, prompt.messages)
         ids = target.tokenize(text)
-        runs: dict[str, list[tuple[list[int], Stats]]] = {name: [] for name in decoders}
-        peer_runs: dict[str, list[PeerRun]] = {name: [] for name in config.drafts}
-        for repeat in range(config.repeats + 1):  # the first round warms up (caches, page faults) and is dropped
-            for name, decoder in decoders.items():
-                result = decoder.generate(ids, sampling[name])
-                if repeat:
-                    runs[name].append(result)
-            for name in peer_runs if peer else ():
-                result = peer(name, text)
-                if repeat:
-                    peer_runs[name].append(result)
-        plain_tokens = runs["target"][0][0]
-        row: dict[str, Any] = {
-            "prompt": index,
-            "prompt_tokens": len(ids),
-            "answer": target.detokenize(plain_tokens),
-            "variants": {},
-        }
-        for name, results in runs.items():
-            stats = [s for _, s in results]
-            tps = statistics.median(s.tokens_per_second for s in stats)
-            row["variants"][name] = {
-                "tokens": stats[0].generated,
-                "tokens_per_second": tps,
-                "ttft_ms": 1000 * statistics.median(s.ttft_seconds for s in stats),
-                "acceptance": stats[0].acceptance_rate,
-                "mean_accepted_len": stats[0].mean_accepted_len,
-                "produced": stats[0].produced,
-                "verify_steps": stats[0].verify_steps,
-                "drafted_at": stats[0].drafted_at,
-                "accepted_at": stats[0].accepted_at,
-                "draft_seconds": statistics.median(s.draft_seconds for s in stats),
-                "verify_seconds": statistics.median(s.verify_seconds for s in stats),
-                "identical": all(tokens == plain_tokens for tokens, _ in results),
-            }
-        base = row["variants"]["target"]["tokens_per_second"]
-        for variant in row["variants"].values():
-            variant["speedup"] = variant["tokens_per_second"] / base if base else 0.0
-        for name, results in peer_runs.items() if peer else ():
-            peer_tps = statistics.median(r.tokens_per_second for r in results)
-            row["variants"][name]["llama_cpp"] = {
-                "tokens_per_second": peer_tps,
-                "acceptance": results[0].accepted / results[0].drafted if results[0].drafted else 0.0,
-                "identical": all(row["answer"].strip() in r.text for r in results),
-                "ours_over_llama_cpp": row["variants"][name]["tokens_per_second"] / peer_tps if peer_tps else 0.0,
-            }
+        runs, peer_runs = run_interleaved(decoders, sampling, ids, text, peer, config.repeats)
+        row = prompt_row(index, ids, target.detokenize(runs[TARGET][0].tokens), runs, peer_runs)
         rows.append(row)
         console.print(
             f"prompt {index + 1}/{len(prompts)}: "
@@ -157,13 +138,9 @@ def bench(config: BenchConfig) -> dict[str, Any]:
         "drafts": {name: str(path) for name, path in config.drafts.items()},
         "data": str(config.data),
         "settings": {
+            **config.model_dump(mode="json", include=set(BenchSettings.model_fields)),
             "n": len(prompts),
-            "repeats": config.repeats,
-            "max_tokens": config.max_tokens,
             "draft_max": {name: draft_length(config, name) for name in config.drafts},
-            "draft_p_min": config.draft_p_min,
-            "adaptive": config.adaptive,
-            "exact": config.exact,
             "threads": target.threads,
             "greedy": True,
             "peer": "llama.cpp llama-speculative-simple" if config.peer else None,
@@ -175,17 +152,80 @@ def bench(config: BenchConfig) -> dict[str, Any]:
     return report
 
 
+def run_interleaved(
+    decoders: dict[str, SpeculativeDecoder],
+    sampling: dict[str, SamplingConfig],
+    ids: list[int],
+    text: str,
+    peer: Callable[[str, str], PeerRun] | None,
+    repeats: int,
+) -> tuple[dict[str, list[Generation]], dict[str, list[PeerRun]]]:
+    """Every variant on one prompt, alternating, `repeats` times after a dropped warm-up round."""
+    runs: dict[str, list[Generation]] = {name: [] for name in decoders}
+    peer_runs: dict[str, list[PeerRun]] = {name: [] for name in decoders if name != TARGET and peer}
+    for repeat in range(repeats + 1):  # the first round warms up (caches, page faults) and is dropped
+        for name, decoder in decoders.items():
+            result = decoder.generate(ids, sampling[name])
+            if repeat:
+                runs[name].append(result)
+        for name in peer_runs:
+            result = peer(name, text)  # type: ignore[misc]
+            if repeat:
+                peer_runs[name].append(result)
+    return runs, peer_runs
+
+
+def prompt_row(
+    index: int,
+    ids: list[int],
+    answer: str,
+    runs: dict[str, list[Generation]],
+    peer_runs: dict[str, list[PeerRun]],
+) -> dict[str, Any]:
+    """One prompt's medians per variant, its speedups over the target alone, and llama.cpp's beside ours."""
+    plain_tokens = runs[TARGET][0].tokens
+    row: dict[str, Any] = {"prompt": index, "prompt_tokens": len(ids), "answer": answer, "variants": {}}
+    for name, results in runs.items():
+        stats = [r.stats for r in results]
+        row["variants"][name] = {
+            "tokens": stats[0].generated,
+            "tokens_per_second": statistics.median(s.tokens_per_second for s in stats),
+            "ttft_ms": 1000 * statistics.median(s.ttft_seconds for s in stats),
+            "acceptance": stats[0].acceptance_rate,
+            "mean_accepted_len": stats[0].mean_accepted_len,
+            "produced": stats[0].produced,
+            "verify_steps": stats[0].verify_steps,
+            "drafted_at": stats[0].drafted_at,
+            "accepted_at": stats[0].accepted_at,
+            "draft_seconds": statistics.median(s.draft_seconds for s in stats),
+            "verify_seconds": statistics.median(s.verify_seconds for s in stats),
+            "identical": all(r.tokens == plain_tokens for r in results),
+        }
+    base = row["variants"][TARGET]["tokens_per_second"]
+    for variant in row["variants"].values():
+        variant["speedup"] = variant["tokens_per_second"] / base if base else 0.0
+    for name, results in peer_runs.items():
+        peer_tps = statistics.median(r.tokens_per_second for r in results)
+        row["variants"][name]["llama_cpp"] = {
+            "tokens_per_second": peer_tps,
+            "acceptance": results[0].accepted / results[0].drafted if results[0].drafted else 0.0,
+            "identical": all(answer.strip() in r.text for r in results),
+            "ours_over_llama_cpp": row["variants"][name]["tokens_per_second"] / peer_tps if peer_tps else 0.0,
+        }
+    return row
+
+
 def draft_length(config: BenchConfig, name: str) -> int:
     """k for this draft (0 for the target alone)."""
     if name not in config.drafts:
         return 0
-    return (config.draft_max_by_draft or {}).get(name, config.draft_max)
+    if config.draft_max == "auto":
+        return config.recommended_k.get(name, DEFAULT_DRAFT_MAX)
+    return config.draft_max
 
 
 def peer_runner(config: BenchConfig, threads: int) -> Callable[[str, str], PeerRun]:
     """Runs llama.cpp's own speculative decoder on (draft name, prompt text) with this bench's settings."""
-    from spectune.bench.peer import run_peer, tool_path
-
     binary = config.peer_binary or tool_path()
     if not binary.is_file():
         raise SpectuneError(f"--peer llama.cpp: {binary} is not built yet; run `spectune tools build-llama-cpp`")
@@ -208,16 +248,25 @@ def peer_runner(config: BenchConfig, threads: int) -> Callable[[str, str], PeerR
     return run
 
 
+def totals(variants: list[dict[str, Any]]) -> tuple[int, float]:
+    """Tokens and decode seconds summed over the prompts (each prompt's median run)."""
+    tokens = sum(v["tokens"] for v in variants)
+    return tokens, sum(v["tokens"] / v["tokens_per_second"] for v in variants if v["tokens_per_second"])
+
+
 def _summary(name: str, rows: list[dict], profile: dict, config: BenchConfig, draft_path: Path) -> dict[str, Any]:
     variants = [row["variants"][name] for row in rows]
     speedups = [v["speedup"] for v in variants]
+    # The headline: all tokens over all decode time, with the draft over the target alone (a mean of per-prompt
+    # ratios weighs short answers as much as long ones).
+    (tokens, seconds), (_, target_seconds) = totals(variants), totals([row["variants"][TARGET] for row in rows])
     drafted = sum(sum(v["drafted_at"]) for v in variants)
     accepted = sum(sum(v["accepted_at"]) for v in variants)
     # Pooled over prompts (tokens / steps), as the offline meter pools: short answers do not weigh more.
     tau = sum(v["produced"] for v in variants) / max(1, sum(v["verify_steps"] for v in variants))
     k = draft_length(config, name)
     cost_ratio = profile["cost_ratio"]
-    gpu_c = (config.gpu_cost_ratio or {}).get(name) or draft_path.stat().st_size / config.target.stat().st_size
+    gpu_c = config.gpu_cost_ratio.get(name) or draft_path.stat().st_size / config.target.stat().st_size
     positions = max((len(v["drafted_at"]) for v in variants), default=0)
     per_position = []
     for position in range(positions):
@@ -241,6 +290,10 @@ def _summary(name: str, rows: list[dict], profile: dict, config: BenchConfig, dr
         "draft_max": k,
         "identical": sum(v["identical"] for v in variants),
         "exact": config.exact,
+        "aggregate_speedup": target_seconds / seconds if seconds else 0.0,
+        "total_tokens": tokens,
+        "total_seconds": seconds,
+        "target_total_seconds": target_seconds,
         "mean_speedup": statistics.mean(speedups),
         "best_speedup": max(speedups),
         "worst_speedup": min(speedups),
@@ -276,14 +329,16 @@ def markdown(report: dict[str, Any]) -> str:
         f"{settings['max_tokens']} tokens max, exact = {settings['exact']}, "
         f"{settings['threads']} threads, medians of {settings['repeats']} interleaved runs.",
         "",
-        "| draft | k | identical | acceptance | τ (tokens/verify) | speedup here mean / best / worst | c | r(k+1) "
-        "| predicted here | predicted GPU |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| draft | k | identical | acceptance | τ (tokens/verify) | speedup here: aggregate (tokens, s) | "
+        "per prompt mean / best / worst | c | r(k+1) | predicted here | predicted GPU |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, s in report["summary"].items():
         lines.append(
             f"| {name} | {s['draft_max']} | {s['identical']}/{s['n']} | {s['acceptance']:.1%} | "
             f"{s['mean_accepted_len']:.2f} | "
+            f"{s['aggregate_speedup']:.2f}x ({s['total_tokens']}, {s['total_seconds']:.2f} vs "
+            f"{s['target_total_seconds']:.2f}) | "
             f"{s['mean_speedup']:.2f}x / {s['best_speedup']:.2f}x / {s['worst_speedup']:.2f}x | "
             f"{s['cost_ratio']:.3f} | {s['verify_ratio']:.2f} | {s['predicted_speedup_here']:.2f}x | "
             f"{s['predicted_speedup_gpu']:.2f}x (c = {s['gpu_cost_ratio']:.3f}) |"
@@ -297,8 +352,13 @@ def markdown(report: dict[str, Any]) -> str:
                 f"| {name} | {s['llama_cpp_tokens_per_second']:.1f} | {s['llama_cpp_acceptance']:.1%} | "
                 f"{s['llama_cpp_identical']}/{s['n']} | {s['vs_llama_cpp']:.2f}x |"
             )
+    timed = [s["target_total_seconds"] for s in report["summary"].values()]
+    if timed and min(timed) < 2.0:
+        lines += ["", f"The target alone decoded for {min(timed):.2f} s in all: too little to time reliably."]
     lines += [
         "",
+        "Speedup here, aggregate: all tokens over all decode seconds with the draft, over the same for the target "
+        "alone (the tokens and seconds are shown); the per-prompt mean weighs a short answer as much as a long one.",
         "Predicted GPU speedup: τ / (1 + k·c), decoding memory-bound (r = 1), c from the GGUF size ratio. "
         "Predicted here: τ / (r(k+1) + k·c) with this machine's measured r and c; on a small CPU verification is "
         "compute-bound (r(k+1) well above 1), so only a draft with a high τ gains wall-clock time here.",

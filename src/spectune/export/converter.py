@@ -19,17 +19,10 @@ from importlib.metadata import version
 from pathlib import Path
 
 from spectune.atomic import atomic_path
+from spectune.cache import cache_root
 from spectune.errors import SpectuneError
 
-PARTS = ("convert_hf_to_gguf.py", "conversion/", "gguf-py/")
-
-
-def cache_root() -> Path:
-    if os.environ.get("SPECTUNE_CACHE"):
-        return Path(os.environ["SPECTUNE_CACHE"])
-    from platformdirs import user_cache_dir
-
-    return Path(user_cache_dir("spectune"))
+PARTS = ("convert_hf_to_gguf.py", "conversion/", "gguf-py/", "common/arg.cpp")  # arg.cpp: the tools' flags
 
 
 def llama_cpp_version() -> str:
@@ -82,7 +75,7 @@ def converter_dir() -> Path:
             raise SpectuneError(f"SPECTUNE_LLAMA_CPP_SRC={folder}: no convert_hf_to_gguf.py there")
         return folder
     folder = cache_root() / "llama.cpp-converter" / llama_cpp_version()
-    if (folder / "convert_hf_to_gguf.py").is_file():
+    if all((folder / name).is_file() for name in ("convert_hf_to_gguf.py", "common/arg.cpp")):
         return folder
     with atomic_path(folder) as tmp:
         _unpack(fetch_sdist(), tmp)

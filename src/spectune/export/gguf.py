@@ -6,23 +6,29 @@ under the final name.
 
 from __future__ import annotations
 
+import os
+import shutil
+import threading
 from pathlib import Path
 
 from spectune.atomic import atomic_path
 from spectune.errors import SpectuneError
 from spectune.export.converter import run_converter
+from spectune.runtime.llama import init_backend
+from spectune.threads import thread_count
 
 # What the converter writes directly.
 CONVERTER_TYPES = {"F32": "f32", "F16": "f16", "BF16": "bf16", "Q8_0": "q8_0"}
 # llama_ftype values of libllama (include/llama.h) for what quantization produces.
 QUANT_FTYPES = {"F32": 0, "F16": 1, "Q4_0": 2, "Q8_0": 7, "Q4_K_S": 14, "Q4_K_M": 15, "Q5_K_M": 17, "Q6_K": 18}
+QUANT_TYPES = sorted(set(QUANT_FTYPES) | set(CONVERTER_TYPES))
+DEFAULT_QUANT = "Q4_K_M"
 
 
 def check_quant(quant: str) -> str:
     name = quant.upper()
     if name not in QUANT_FTYPES and name not in CONVERTER_TYPES:
-        known = sorted(set(QUANT_FTYPES) | set(CONVERTER_TYPES))
-        raise SpectuneError(f"unknown quant type {quant!r}: choose one of {', '.join(known)}")
+        raise SpectuneError(f"unknown quant type {quant!r}: choose one of {', '.join(QUANT_TYPES)}")
     return name
 
 
@@ -37,12 +43,9 @@ def convert(model_dir: str | Path, out_file: str | Path, outtype: str = "F16") -
     return out_file
 
 
-def quantize(in_file: str | Path, out_file: str | Path, quant: str = "Q4_K_M", threads: int | None = None) -> Path:
+def quantize(in_file: str | Path, out_file: str | Path, quant: str = DEFAULT_QUANT, threads: int | None = None) -> Path:
     """Quantize a GGUF with libllama (no llama.cpp binary needed)."""
     import llama_cpp
-
-    from spectune.runtime.llama import init_backend
-    from spectune.threads import thread_count
 
     init_backend()
     quant = check_quant(quant)
@@ -51,22 +54,44 @@ def quantize(in_file: str | Path, out_file: str | Path, quant: str = "Q4_K_M", t
     params.nthread = thread_count(threads)
     out_file = Path(out_file)
     with atomic_path(out_file) as tmp:
-        status = llama_cpp.llama_model_quantize(str(in_file).encode(), str(tmp).encode(), params)
-        if status != 0:
+        status: list[int] = []
+        failed: list[BaseException] = []
+
+        def work() -> None:
+            try:
+                status.append(llama_cpp.llama_model_quantize(str(in_file).encode(), str(tmp).encode(), params))
+            except BaseException as exc:  # handed to the waiting thread, which raises it
+                failed.append(exc)
+
+        worker = threading.Thread(target=work, daemon=True)
+        worker.start()
+        while worker.is_alive():  # the C call cannot be interrupted; waiting here keeps Ctrl-C working
+            worker.join(0.2)
+        if failed:
+            raise failed[0]
+        if status != [0]:
             raise SpectuneError(f"llama_model_quantize failed on {in_file} -> {quant} (status {status})")
     return out_file
 
 
-def export_model(model_dir: str | Path, out_file: str | Path, quant: str = "Q4_K_M", keep_f16: bool = False) -> Path:
-    """HF folder -> GGUF of `quant`; other quant types go through an F16 GGUF that libllama quantizes."""
+def export_model(
+    model_dir: str | Path, out_file: str | Path, quant: str = DEFAULT_QUANT, keep_f16: bool = False
+) -> Path:
+    """HF folder -> GGUF of `quant`; other quant types go through an F16 GGUF that libllama quantizes, made in a
+    private temporary folder (kept as OUT.f16.gguf with `keep_f16`), so no file beside `out_file` is touched."""
     quant = check_quant(quant)
-    out_file = Path(out_file)
+    model_dir, out_file = Path(model_dir), Path(out_file)
+    if not model_dir.is_dir():
+        raise SpectuneError(f"{model_dir}: no such model folder")
     if quant in CONVERTER_TYPES:
         return convert(model_dir, out_file, quant)
-    intermediate = out_file.with_name(out_file.stem + ".f16.gguf")
-    convert(model_dir, intermediate, "F16")
+    scratch = out_file.with_name(f".{out_file.name}.f16-{os.getpid()}")  # atomic_path clears it if we are killed
+    scratch.mkdir(parents=True, exist_ok=True)
     try:
-        return quantize(intermediate, out_file, quant)
+        intermediate = convert(model_dir, scratch / "model.f16.gguf", "F16")
+        quantize(intermediate, out_file, quant)
+        if keep_f16:
+            os.replace(intermediate, out_file.with_name(out_file.stem + ".f16.gguf"))
     finally:
-        if not keep_f16:
-            intermediate.unlink(missing_ok=True)
+        shutil.rmtree(scratch, ignore_errors=True)
+    return out_file

@@ -10,49 +10,26 @@ import shlex
 from pathlib import Path
 from typing import Any
 
+from pydantic import Field
+
 from spectune.atomic import atomic_path
+from spectune.config import Settings
+from spectune.data.demo import generate_dialogues
+from spectune.data.read import read_dialogues
 from spectune.errors import SpectuneError
-from spectune.runtime.llama import LlamaModel, VocabInfo, read_vocab
-
-# llama.cpp's own rule for a draft (common/speculative.cpp): vocab sizes within 128, texts equal from id 5 on.
-VOCAB_SIZE_SLACK = 128
-FIRST_CHECKED_TOKEN = 5
-
-
-def check_pair(target_gguf: Path, draft_gguf: Path) -> dict[str, Any]:
-    """Refuse a pair llama.cpp would refuse, naming the first mismatch."""
-    target, draft = read_vocab(target_gguf), read_vocab(draft_gguf)
-    problems = _pair_problems(target, draft)
-    if problems:
-        raise SpectuneError(f"{draft_gguf} cannot draft for {target_gguf}: " + "; ".join(problems))
-    return {
-        "vocab_type": target.vocab_type,
-        "target_tokens": target.n_tokens,
-        "draft_tokens": draft.n_tokens,
-        "bos": target.bos,
-        "eos": target.eos,
-    }
-
-
-def _pair_problems(target: VocabInfo, draft: VocabInfo) -> list[str]:
-    problems = []
-    for field in ("vocab_type", "bos", "eos", "add_bos", "add_eos"):
-        if getattr(target, field) != getattr(draft, field):
-            problems.append(f"{field} differs (target {getattr(target, field)}, draft {getattr(draft, field)})")
-    if abs(target.n_tokens - draft.n_tokens) > VOCAB_SIZE_SLACK:
-        problems.append(f"vocab sizes differ by more than {VOCAB_SIZE_SLACK} ({target.n_tokens} vs {draft.n_tokens})")
-    for token in range(FIRST_CHECKED_TOKEN, min(target.n_tokens, draft.n_tokens)):
-        if target.texts[token] != draft.texts[token]:
-            problems.append(f"token {token} differs: target {target.texts[token]!r}, draft {draft.texts[token]!r}")
-            break
-    return problems
+from spectune.export.gguf import DEFAULT_QUANT, QUANT_TYPES, check_quant, export_model
+from spectune.export.llama_flags import check_command
+from spectune.layout import CHOSEN_PAIR, CONTROL_DRAFT, EXPORT_REPORT, SERVER_SCRIPT, TARGET, gguf_name
+from spectune.models.corpus import EMOJI, GREETINGS, generate_corpus
+from spectune.models.load import check_model_dir, load_tokenizer
+from spectune.runtime.llama import LlamaModel
+from spectune.runtime.pair import check_pair
+from spectune.speedup import DEFAULT_DRAFT_MAX, GPU_PROFILE
+from spectune.threads import thread_count
 
 
 def tokenizer_strings(n: int, seed: int = 0) -> list[str]:
     """Strings that stress a tokenizer: prose, code, digits, unicode, emoji, whitespace runs, chat markup."""
-    from spectune.data.demo import generate_dialogues
-    from spectune.models.corpus import EMOJI, GREETINGS, generate_corpus
-
     rng = random.Random(seed)
     turns = [t["content"] for d in generate_dialogues(100, seed=seed) for t in d.messages]
     pieces = [
@@ -108,8 +85,6 @@ def fidelity(hf_dir: Path, gguf: Path, texts: list[str], threads: int | None = N
     import torch
     from transformers import AutoModelForCausalLM
 
-    from spectune.models.load import load_tokenizer
-
     tokenizer = load_tokenizer(hf_dir)
     hf = AutoModelForCausalLM.from_pretrained(str(hf_dir), local_files_only=True, dtype=torch.float32).eval()
     model = LlamaModel(gguf, n_ctx=1024, threads=threads)
@@ -147,42 +122,71 @@ def fidelity(hf_dir: Path, gguf: Path, texts: list[str], threads: int | None = N
     }
 
 
-def server_command(target: Path, draft: Path, threads: int, draft_max: int = 8) -> str:
-    """The equivalent llama.cpp server command, for users who serve with llama.cpp's own server."""
-    return " ".join(
-        shlex.quote(part)
-        for part in (
-            "llama-server",
-            "-m",
-            str(target),
-            "-md",
-            str(draft),
-            "--spec-type",
-            "draft-simple",
-            "--draft-max",
-            str(draft_max),
-            "--draft-min",
-            "0",
-            "--draft-p-min",
-            "0.0",
-            "-t",
-            str(threads),
-            "-tb",
-            str(threads),
-            "--no-repack",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            "8080",
-        )
+class ExportSettings(Settings):
+    """The `export:` section of a run config and the flags of `spectune export-pair`."""
+
+    quant: str = Field(DEFAULT_QUANT, description="GGUF type: " + ", ".join(QUANT_TYPES) + ".")
+    fidelity_dialogues: int = Field(20, ge=0, description="Held-out dialogues the HF-vs-GGUF fidelity is measured on.")
+
+
+class ExportPairConfig(ExportSettings):
+    """Everything `spectune export-pair` takes."""
+
+    target: Path = Field(description="The merged target folder.")
+    drafts: dict[str, Path] = Field(description="Draft folders by name.")
+    out: Path = Field(description="Output folder: the GGUFs, export.json, pair.json, llama-server.sh.")
+    data: Path | None = Field(None, description="Held-out dialogues for the fidelity report.")
+    acceptance: Path | None = Field(
+        None, description="An acceptance report: serve its best tuned draft at its recommended k."
     )
+    keep_f16: bool = Field(False, description="Keep the F16 GGUFs quantization started from.")
+    threads: int | None = Field(None, description="Threads for the served pair (default: $SPECTUNE_THREADS or all).")
+
+
+def choose_draft(drafts: list[str], acceptance: dict[str, Any] | None) -> tuple[str, int]:
+    """(draft to serve, its k): the tuned draft with the best predicted GPU speedup at its recommended k."""
+    if acceptance is None:
+        return drafts[0], DEFAULT_DRAFT_MAX
+    rows = {row["name"]: row for row in acceptance["drafts"] if row["name"] in drafts}
+    tuned = [name for name in rows if name != CONTROL_DRAFT] or list(rows)
+    if not tuned:
+        raise SpectuneError(f"the acceptance report has none of the drafts {', '.join(drafts)}")
+    best = max(tuned, key=lambda name: rows[name]["speedup"][GPU_PROFILE][str(rows[name]["recommended_k"])])
+    return best, rows[best]["recommended_k"]
+
+
+def server_command(target: Path, draft: Path, k: int, threads: int) -> list[str]:
+    """llama.cpp's own server on the pair, with the exact settings (flag names of the pinned llama.cpp)."""
+    return [
+        "llama-server",
+        "-m",
+        str(target),
+        "-md",
+        str(draft),
+        "--spec-type",
+        "draft-simple",
+        "--spec-draft-n-max",
+        str(k),
+        "--spec-draft-n-min",
+        "0",
+        "--spec-draft-p-min",
+        "0.0",
+        "-t",
+        str(threads),
+        "-tb",
+        str(threads),
+        "--no-repack",
+        "-fa",
+        "off",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        "8080",
+    ]
 
 
 def export_checked(folder: Path, out_file: Path, quant: str, eval_texts: list[str] | None, keep_f16: bool) -> dict:
     """Export one model, check llama.cpp tokenizes like HF, and (given texts) measure fidelity."""
-    from spectune.export.gguf import export_model
-    from spectune.models.load import check_model_dir, load_tokenizer
-
     check_model_dir(folder)
     export_model(folder, out_file, quant, keep_f16=keep_f16)
     entry: dict[str, Any] = {
@@ -198,37 +202,44 @@ def export_checked(folder: Path, out_file: Path, quant: str, eval_texts: list[st
     return entry
 
 
-def export_pair(
-    target_dir: Path,
-    draft_dirs: dict[str, Path] | Path,
-    out_dir: Path,
-    quant: str = "Q4_K_M",
-    eval_texts: list[str] | None = None,
-    keep_f16: bool = True,
-) -> dict[str, Any]:
-    """Export the target and its draft(s) to `quant`, check each pair and the tokenizer, report fidelity."""
-    from spectune.export.gguf import check_quant
-    from spectune.threads import thread_count
+def fidelity_texts(model_dir: Path, data: Path | None, n: int) -> list[str]:
+    """Held-out dialogues rendered with the model's chat template."""
+    if data is None or n == 0:
+        return []
+    tokenizer = load_tokenizer(model_dir)
+    return [tokenizer.apply_chat_template(d.messages, tokenize=False) for d in read_dialogues(data).dialogues[:n]]
 
-    quant = check_quant(quant)
-    drafts = draft_dirs if isinstance(draft_dirs, dict) else {"draft": draft_dirs}
-    target_file = out_dir / f"target.{quant}.gguf"
+
+def export_pair(config: ExportPairConfig) -> dict[str, Any]:
+    """Export the target and its drafts, check each pair and the tokenizer, report fidelity; write the pair to
+    serve (pair.json) and llama.cpp's server command for it (llama-server.sh)."""
+    quant = check_quant(config.quant)
+    texts = fidelity_texts(config.target, config.data, config.fidelity_dialogues)
+    target_file = config.out / gguf_name(TARGET, quant)
     report: dict[str, Any] = {
         "quant": quant,
-        "models": {"target": export_checked(target_dir, target_file, quant, eval_texts, keep_f16)},
+        "models": {TARGET: export_checked(config.target, target_file, quant, texts, config.keep_f16)},
         "pairs": {},
     }
-    for name, folder in drafts.items():
-        draft_file = out_dir / f"{name}.{quant}.gguf"
-        report["models"][name] = export_checked(folder, draft_file, quant, eval_texts, keep_f16)
+    for name, folder in config.drafts.items():
+        draft_file = config.out / gguf_name(name, quant)
+        report["models"][name] = export_checked(folder, draft_file, quant, texts, config.keep_f16)
         report["pairs"][name] = check_pair(target_file, draft_file)
-    first = out_dir / f"{next(iter(drafts))}.{quant}.gguf"
-    report["llama_server"] = server_command(target_file, first, thread_count())
-    with atomic_path(out_dir / "export.json") as tmp:
+    acceptance = json.loads(config.acceptance.read_text()) if config.acceptance else None
+    name, k = choose_draft(list(config.drafts), acceptance)
+    chosen = {"target": str(target_file), "draft": str(config.out / gguf_name(name, quant)), "draft_name": name, "k": k}
+    report["chosen"] = chosen
+    command = server_command(target_file, Path(chosen["draft"]), k, thread_count(config.threads))
+    check_command(command)
+    report["llama_server"] = shlex.join(command)
+    with atomic_path(config.out / EXPORT_REPORT) as tmp:
         tmp.write_text(json.dumps(report, indent=2))
-    with atomic_path(out_dir / "llama-server.sh") as tmp:
+    with atomic_path(config.out / CHOSEN_PAIR) as tmp:
+        tmp.write_text(json.dumps(chosen, indent=2))
+    with atomic_path(config.out / SERVER_SCRIPT) as tmp:
         tmp.write_text(
-            "#!/bin/sh\n# Serve this pair with llama.cpp's own server (speculative decoding).\n"
-            f"exec {report['llama_server']}\n"
+            f"#!/bin/sh\n# llama.cpp's own server on the tuned pair: draft {name}, k = {k} (its recommended k).\n"
+            "# GGML_CPU_TILED_MM=0, --no-repack and -fa off keep batched logits equal to one-token ones.\n"
+            f'GGML_CPU_TILED_MM=0 exec {report["llama_server"]} "$@"\n'
         )
     return report

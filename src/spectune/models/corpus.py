@@ -9,6 +9,8 @@ from __future__ import annotations
 import random
 from collections.abc import Callable
 
+from spectune.data.demo import CITIES, DAYS, FIRST_NAMES, ITEMS, LAST_NAMES, MONTHS, SERVICES, STREETS
+
 PEOPLE = "Ada Bruno Chloe Dmitri Esther Fatima Gustav Helga Ines Jonas Kwame Lucia Malik Nora Otto Priya".split()
 PLACES = "market library harbour forest station museum garden bakery village mountain river school".split()
 ANIMALS = {
@@ -132,7 +134,6 @@ def multilingual(rng: random.Random) -> str:
 def everyday(rng: random.Random) -> str:
     """News-like prose with the everyday words any pretrained model knows (names, dates, times, money,
     services, goods, places): the words of a voice-bot task, never its dialogue."""
-    from spectune.data.demo import CITIES, DAYS, FIRST_NAMES, ITEMS, LAST_NAMES, MONTHS, SERVICES, STREETS
 
     name = f"{rng.choice(FIRST_NAMES)} {rng.choice(LAST_NAMES)}"
     day, month = rng.choice(DAYS), rng.choice(MONTHS)

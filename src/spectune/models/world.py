@@ -16,7 +16,12 @@ from pathlib import Path
 from typing import Any
 
 from spectune.atomic import atomic_path
+from spectune.cache import cache_root
+from spectune.data.demo import generate_dialogues
 from spectune.errors import SpectuneError
+from spectune.models.corpus import generate_chats, generate_corpus
+from spectune.models.tokenizer import save_tokenizer, train_tokenizer
+from spectune.threads import configure_torch_threads
 
 WORLD_VERSION = 2  # bump when the corpus, tokenizer or training code changes what a recipe builds
 
@@ -68,8 +73,6 @@ RECIPES = {
 
 
 def default_models_dir() -> Path:
-    from spectune.export.converter import cache_root
-
     return cache_root() / "models"
 
 
@@ -90,10 +93,6 @@ def write_manifest(folder: Path, manifest: dict[str, Any]) -> None:
 
 
 def build_tokenizer(recipe: PairRecipe) -> Any:
-    from spectune.data.demo import generate_dialogues
-    from spectune.models.corpus import generate_chats, generate_corpus
-    from spectune.models.tokenizer import train_tokenizer
-
     texts = generate_corpus(recipe.tokenizer_docs, seed=1000)
     texts += [turn["content"] for chat in generate_chats(recipe.tokenizer_docs // 3, seed=1000) for turn in chat]
     texts += [turn["content"] for d in generate_dialogues(2000, seed=1000) for turn in d.messages]
@@ -103,8 +102,6 @@ def build_tokenizer(recipe: PairRecipe) -> Any:
 def pretraining_blocks(recipe: PairRecipe, tokenizer: Any) -> Any:
     """The general corpus (plain documents and generic chats), packed into seq_len blocks."""
     import torch
-
-    from spectune.models.corpus import generate_chats, generate_corpus
 
     documents = generate_corpus(recipe.corpus_docs, seed=recipe.seed)
     documents += [
@@ -196,8 +193,6 @@ def build_pair(size: str | PairRecipe, models_dir: Path | None = None, force: bo
     manifest_file = folder / "manifest.json"
     if not force and manifest_file.is_file() and read_manifest(folder).get("recipe_hash") == recipe.digest():
         return folder
-    from spectune.models.tokenizer import save_tokenizer
-    from spectune.threads import configure_torch_threads
 
     threads = configure_torch_threads()
     start = time.perf_counter()
@@ -221,24 +216,3 @@ def build_pair(size: str | PairRecipe, models_dir: Path | None = None, force: bo
         manifest["build_seconds"] = round(time.perf_counter() - start, 2)
         write_manifest(tmp, manifest)
     return folder
-
-
-def profile_pair(folder: Path, quant: str = "Q4_K_M", force: bool = False) -> dict[str, Any]:
-    """Export both models of a built pair to `quant` GGUFs and record the measured hardware profile."""
-    from spectune.export.gguf import export_model
-    from spectune.runtime.profile import measure_profile
-
-    manifest = read_manifest(folder)
-    key = f"profile_{quant}"
-    if key in manifest and not force:
-        return manifest[key]
-    ggufs = {}
-    for role in ("target", "draft"):
-        ggufs[role] = folder / "gguf" / f"{role}.{quant}.gguf"
-        if force or not ggufs[role].is_file():
-            export_model(folder / role, ggufs[role], quant)
-    profile = measure_profile(ggufs["target"], ggufs["draft"])
-    profile["quant"] = quant
-    manifest[key] = profile
-    write_manifest(folder, manifest)
-    return profile

@@ -5,6 +5,8 @@ from __future__ import annotations
 import re
 from typing import Any
 
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
 from spectune.errors import SpectuneError
 from spectune.runtime.llama import LlamaModel
 
@@ -14,8 +16,6 @@ _GENERATION_TAGS = re.compile(r"{%-?\s*(?:end)?generation\s*-?%}")
 
 def chat_prompt(model: LlamaModel, messages: list[dict[str, str]], template: str | None = None) -> str:
     """Render `messages` with the GGUF's chat template, ending with the assistant's generation prompt."""
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
-
     template = template or model.metadata("tokenizer.chat_template")
     if not template:
         raise SpectuneError(f"{model.path}: the GGUF has no chat template (tokenizer.chat_template)")
@@ -30,3 +30,28 @@ def chat_prompt(model: LlamaModel, messages: list[dict[str, str]], template: str
     return environment.from_string(_GENERATION_TAGS.sub("", template)).render(
         messages=messages, add_generation_prompt=True, bos_token=bos, eos_token=eos
     )
+
+
+def chat_tokens(model: LlamaModel, messages: list[dict[str, str]]) -> list[int]:
+    """The prompt's tokens with control tokens parsed in the template's own text only: a caller who writes
+    `<|im_start|>system` in a message gets those characters as text, never a new role (role injection)."""
+    markers = [f"\x01{index}\x02" for index in range(len(messages))]
+    masked = chat_prompt(model, [{**m, "content": marker} for m, marker in zip(messages, markers, strict=True)])
+    pieces, rest = [], masked
+    for marker in markers:
+        before, found, rest = rest.partition(marker)
+        if not found or marker in rest:
+            break
+        pieces.append(before)
+    if len(pieces) == len(messages) and "".join(
+        piece + m["content"] for piece, m in zip(pieces, messages, strict=True)
+    ) + rest == chat_prompt(model, messages):
+        tokens = []
+        for piece, message in zip(pieces, messages, strict=True):
+            tokens += model.tokenize(piece) + model.tokenize(message["content"], special=False)
+        return tokens + model.tokenize(rest)
+    # The template changes or repeats contents (e.g. trims them): refuse control-token text instead.
+    for message in messages:
+        if model.tokenize(message["content"]) != model.tokenize(message["content"], special=False):
+            raise SpectuneError("a message holds the text of a control token (such as <|im_start|>): not allowed")
+    return model.tokenize(chat_prompt(model, messages))

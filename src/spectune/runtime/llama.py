@@ -98,9 +98,13 @@ class LlamaModel:
         self._finalizer()
 
     def metadata(self, key: str) -> str | None:
-        buffer = ctypes.create_string_buffer(4096)
-        length = self.lib.llama_model_meta_val_str(self.model, key.encode(), buffer, len(buffer))
-        return buffer.value.decode("utf-8") if length >= 0 else None
+        """A GGUF metadata value as text, whatever its length (chat templates run to tens of kB)."""
+        length = self.lib.llama_model_meta_val_str(self.model, key.encode(), None, 0)  # snprintf-style: the size
+        if length < 0:
+            return None
+        buffer = ctypes.create_string_buffer(length + 1)
+        self.lib.llama_model_meta_val_str(self.model, key.encode(), buffer, len(buffer))
+        return buffer.value.decode("utf-8")
 
     def tokenize(self, text: str, special: bool = True) -> list[int]:
         """Tokens of `text`; `special` parses control tokens such as <|im_start|> (as HF does)."""

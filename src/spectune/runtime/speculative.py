@@ -1,8 +1,9 @@
 """The speculative draft -> verify loop on llama.cpp (after gpt-fast and llama.cpp's speculative-simple).
 
-Each step: the draft proposes up to k tokens after the last emitted one; the target decodes that token and the
-proposals in one batch; the longest agreeing prefix is kept and the target adds one token of its own (the
-correction, or a bonus when all k were accepted); both KV caches roll back to what was kept.
+`speculative_step` is the whole algorithm: the drafter proposes up to k tokens after the last emitted one; the
+target decodes that token and the proposals in one batch; the sampler keeps the longest acceptable prefix and adds
+one token of the target's own (the correction, or a bonus when all k were accepted); the target's cache rolls back
+to what was kept. `SpeculativeDecoder.generate` only drives it: prefill, end tokens, stop strings, statistics.
 
 Greedy: a proposal is kept when it is the target's argmax, so the output is exactly the target's own greedy
 output. Temperature > 0: proposal d ~ q is kept with probability min(1, p(d)/q(d)); a rejection is resampled
@@ -11,14 +12,18 @@ from norm(max(0, p − q)), so the output is distributed exactly as sampling the
 
 from __future__ import annotations
 
+import codecs
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import numpy as np
 
 from spectune.errors import SpectuneError
 from spectune.runtime.llama import LlamaModel
+from spectune.runtime.pair import check_pair
+from spectune.speedup import DEFAULT_DRAFT_MAX
 
 
 @dataclass
@@ -29,9 +34,136 @@ class SamplingConfig:
     top_p: float = 1.0
     seed: int = 0
     stop: list[str] = field(default_factory=list)
-    draft_max: int = 8  # k; 0 disables drafting
+    draft_max: int = DEFAULT_DRAFT_MAX  # k; 0 disables drafting
     draft_p_min: float = 0.0  # stop drafting when the draft's top probability falls below this
     adaptive: bool = False  # grow k after a fully accepted step, shrink it after an early rejection
+
+
+def probabilities(logits: np.ndarray, config: SamplingConfig) -> np.ndarray:
+    """Softmax at the temperature after top-k and top-p, applied identically to target and draft."""
+    # Shift before scaling: a tiny temperature then gives a one-hot distribution, never inf - inf = nan.
+    with np.errstate(over="ignore"):  # -x / tiny = -inf: probability 0, as it should be
+        scaled = (logits.astype(np.float64) - logits.max()) / config.temperature
+    if 0 < config.top_k < scaled.size:
+        cutoff = np.partition(scaled, -config.top_k)[-config.top_k]
+        scaled = np.where(scaled < cutoff, -np.inf, scaled)
+    probs = np.exp(scaled - scaled.max())
+    probs /= probs.sum()
+    if config.top_p < 1.0:
+        order = np.argsort(-probs)
+        keep = np.cumsum(probs[order]) - probs[order] < config.top_p
+        filtered = np.zeros_like(probs)
+        filtered[order[keep]] = probs[order[keep]]
+        probs = filtered / filtered.sum()
+    return probs
+
+
+class Sampler(Protocol):
+    """Picks the draft's tokens and decides which of them the target keeps."""
+
+    def draft_token(self, logits: np.ndarray) -> tuple[int, float, np.ndarray | None]:
+        """(token, the draft's confidence in it, the draft distribution it was sampled from, if any)."""
+        ...
+
+    def verify(self, rows: np.ndarray, drafts: list[int], draft_probs: list[np.ndarray]) -> tuple[int, int]:
+        """(number of drafts accepted, the target's own next token) from the target's logits `rows`."""
+        ...
+
+
+class GreedySampler:
+    def __init__(self, with_confidence: bool = False) -> None:
+        self.with_confidence = with_confidence  # only draft_p_min needs the draft's top probability
+
+    def draft_token(self, logits: np.ndarray) -> tuple[int, float, np.ndarray | None]:
+        token = int(logits.argmax())
+        if not self.with_confidence:
+            return token, 1.0, None
+        return token, float(1.0 / np.exp(logits - logits[token]).sum()), None
+
+    def verify(self, rows: np.ndarray, drafts: list[int], draft_probs: list[np.ndarray]) -> tuple[int, int]:
+        targets = rows.argmax(axis=1)  # one argmax over the whole batch, in numpy
+        accepted = 0
+        while accepted < len(drafts) and int(targets[accepted]) == drafts[accepted]:
+            accepted += 1
+        return accepted, int(targets[accepted])
+
+
+class StochasticSampler:
+    def __init__(self, config: SamplingConfig, rng: np.random.Generator) -> None:
+        self.config, self.rng = config, rng
+
+    def draft_token(self, logits: np.ndarray) -> tuple[int, float, np.ndarray | None]:
+        probs = probabilities(logits, self.config)
+        token = int(self.rng.choice(probs.size, p=probs))
+        return token, float(probs[token]), probs
+
+    def verify(self, rows: np.ndarray, drafts: list[int], draft_probs: list[np.ndarray]) -> tuple[int, int]:
+        for index, token in enumerate(drafts):
+            p = probabilities(rows[index], self.config)
+            q = draft_probs[index]
+            if self.rng.random() < min(1.0, p[token] / q[token]):
+                continue
+            residual = np.maximum(p - q, 0.0)
+            total = residual.sum()
+            residual = residual / total if total > 0 else p
+            return index, int(self.rng.choice(residual.size, p=residual))
+        p = probabilities(rows[len(drafts)], self.config)
+        return len(drafts), int(self.rng.choice(p.size, p=p))
+
+
+def make_sampler(config: SamplingConfig) -> Sampler:
+    if config.temperature > 0:
+        return StochasticSampler(config, np.random.default_rng(config.seed))
+    return GreedySampler(with_confidence=config.draft_p_min > 0)
+
+
+class Drafter:
+    """The draft model and its own KV cache (llama.cpp's common_speculative): proposes tokens after a sequence."""
+
+    def __init__(self, model: LlamaModel, is_end: Callable[[int], bool]) -> None:
+        self.model, self.is_end = model, is_end
+
+    def propose(
+        self, sequence: list[int], k: int, sampler: Sampler, p_min: float
+    ) -> tuple[list[int], list[np.ndarray]]:
+        """Up to k tokens; stops early at an end token or below `p_min` confidence."""
+        common = self.model.reusable_prefix(sequence[:-1])  # always decode at least the last token
+        logits = self.model.decode(sequence[common:], common, all_logits=False)[-1]
+        drafts: list[int] = []
+        draft_probs: list[np.ndarray] = []
+        while True:
+            token, confidence, probs = sampler.draft_token(logits)
+            if confidence < p_min:
+                return drafts, draft_probs
+            drafts.append(token)
+            if probs is not None:
+                draft_probs.append(probs)
+            if len(drafts) == k or self.is_end(token):  # nothing after an end token is ever used
+                return drafts, draft_probs
+            logits = self.model.decode([token], len(self.model.cached), all_logits=False)[-1]
+
+
+@dataclass
+class Step:
+    drafts: list[int]
+    accepted: int
+    tokens: list[int]  # the accepted drafts and the target's own token
+    draft_seconds: float
+    verify_seconds: float
+
+
+def speculative_step(
+    target: LlamaModel, drafter: Drafter | None, sequence: list[int], k: int, sampler: Sampler, p_min: float = 0.0
+) -> Step:
+    """Propose k, verify in one target batch, accept. `sequence`'s last token is not yet in the target's cache."""
+    start = time.perf_counter()
+    drafts, draft_probs = drafter.propose(sequence, k, sampler, p_min) if drafter and k > 0 else ([], [])
+    drafted = time.perf_counter()
+    position = len(sequence) - 1
+    rows = target.decode([sequence[-1], *drafts], position, all_logits=True)
+    accepted, own = sampler.verify(rows, drafts, draft_probs)
+    target.truncate(position + 1 + accepted)  # keep the last token and the accepted drafts
+    return Step(drafts, accepted, [*drafts[:accepted], own], drafted - start, time.perf_counter() - drafted)
 
 
 @dataclass
@@ -51,6 +183,20 @@ class Stats:
     ttft_seconds: float = 0.0
     total_seconds: float = 0.0
     finish_reason: str = "length"
+
+    def record(self, step: Step, produced: int) -> None:
+        self.verify_steps += 1
+        self.produced += produced
+        self.drafted += len(step.drafts)
+        self.accepted += step.accepted
+        self.draft_seconds += step.draft_seconds
+        self.verify_seconds += step.verify_seconds
+        missing = len(step.drafts) - len(self.drafted_at)
+        self.drafted_at += [0] * missing
+        self.accepted_at += [0] * missing
+        for index in range(len(step.drafts)):
+            self.drafted_at[index] += 1
+            self.accepted_at[index] += int(index < step.accepted)
 
     @property
     def acceptance_rate(self) -> float:
@@ -76,21 +222,53 @@ class Stats:
         return out
 
 
-def probabilities(logits: np.ndarray, config: SamplingConfig) -> np.ndarray:
-    """Softmax at the temperature after top-k and top-p, applied identically to target and draft."""
-    scaled = logits.astype(np.float64) / config.temperature
-    if 0 < config.top_k < scaled.size:
-        cutoff = np.partition(scaled, -config.top_k)[-config.top_k]
-        scaled = np.where(scaled < cutoff, -np.inf, scaled)
-    probs = np.exp(scaled - scaled.max())
-    probs /= probs.sum()
-    if config.top_p < 1.0:
-        order = np.argsort(-probs)
-        keep = np.cumsum(probs[order]) - probs[order] < config.top_p
-        filtered = np.zeros_like(probs)
-        filtered[order[keep]] = probs[order[keep]]
-        probs = filtered / filtered.sum()
-    return probs
+class TextStream:
+    """Detokenizes as tokens arrive and releases only text that is final: an incomplete UTF-8 character, or a tail
+    that could still grow into a stop string, is held back until the next tokens decide it."""
+
+    def __init__(self, model: LlamaModel, stop: list[str]) -> None:
+        self.model, self.stop = model, [s for s in stop if s]
+        self.decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self.text = ""
+        self.sent = 0
+        self.token_ends: list[int] = []  # len(text) after each token
+        self.stopped = False
+
+    def add(self, tokens: list[int]) -> str:
+        """The newly final text after `tokens`; sets `stopped` when a stop string appeared (it is cut off)."""
+        for token in tokens:
+            self.text += self.decoder.decode(self.model.piece(token))
+            self.token_ends.append(len(self.text))
+        longest = max((len(s) for s in self.stop), default=0)
+        search_from = max(0, self.sent - longest)
+        hits = [i for i in (self.text.find(s, search_from) for s in self.stop) if i >= 0]
+        if hits:
+            self.text, self.stopped = self.text[: min(hits)], True
+            return self._release(len(self.text))
+        held = max((n for s in self.stop for n in range(1, len(s)) if self.text.endswith(s[:n])), default=0)
+        return self._release(len(self.text) - held)
+
+    def finish(self) -> str:
+        """What was held back, once no more tokens come."""
+        if not self.stopped:
+            self.text += self.decoder.decode(b"", final=True)
+        return self._release(len(self.text))
+
+    def kept_tokens(self) -> int:
+        """How many tokens the final text covers (a stop string cuts the tokens that reach into it)."""
+        return sum(1 for end in self.token_ends if end <= len(self.text))
+
+    def _release(self, upto: int) -> str:
+        piece = self.text[self.sent : upto] if upto > self.sent else ""
+        self.sent = max(self.sent, upto)
+        return piece
+
+
+@dataclass
+class Generation:
+    tokens: list[int]
+    text: str  # exactly the concatenation of what was streamed
+    stats: Stats
 
 
 class SpeculativeDecoder:
@@ -98,155 +276,76 @@ class SpeculativeDecoder:
 
     def __init__(self, target: LlamaModel, draft: LlamaModel | None = None) -> None:
         if draft is not None:
-            from spectune.export.pair import check_pair
-
             check_pair(target.path, draft.path)  # llama.cpp's own pair rules; raises with the first mismatch
-        self.target, self.draft = target, draft
+        self.target = target
+        self.drafter = Drafter(draft, target.is_end) if draft is not None else None
 
-    def _sync_draft(self, sequence: list[int]) -> np.ndarray:
-        """Bring the draft's cache to `sequence` (reusing the common prefix); return its next-token logits."""
-        assert self.draft is not None
-        common = self.draft.reusable_prefix(sequence[:-1])  # always decode at least the last token
-        return self.draft.decode(sequence[common:], common, all_logits=False)[-1]
+    def forget(self) -> None:
+        """Drop both KV caches (the next prompt shares nothing with the previous one, e.g. another caller's)."""
+        self.target.truncate(0)
+        if self.drafter is not None:
+            self.drafter.model.truncate(0)
 
-    def _propose(
-        self, sequence: list[int], k: int, config: SamplingConfig, rng: np.random.Generator, stats: Stats
-    ) -> tuple[list[int], list[np.ndarray]]:
-        drafts: list[int] = []
-        draft_probs: list[np.ndarray] = []
-        if self.draft is None or k == 0:
-            return drafts, draft_probs
-        start = time.perf_counter()
-        logits = self._sync_draft(sequence)
-        for _ in range(k):
-            if config.temperature > 0:
-                probs = probabilities(logits, config)
-                token = int(rng.choice(probs.size, p=probs))
-                confidence = probs[token]
-                draft_probs.append(probs)
-            else:
-                token = int(logits.argmax())
-                if config.draft_p_min > 0:
-                    shifted = np.exp(logits - logits.max())
-                    confidence = 1.0 / shifted.sum()
-                else:
-                    confidence = 1.0
-            if confidence < config.draft_p_min:
-                draft_probs = draft_probs[: len(drafts)]
-                break
-            drafts.append(token)
-            if len(drafts) == k or self.target.is_end(token):  # nothing after an end token is ever used
-                break
-            logits = self.draft.decode([token], len(self.draft.cached), all_logits=False)[-1]
-        stats.draft_seconds += time.perf_counter() - start
-        return drafts, draft_probs
-
-    def _verify(
-        self,
-        rows: np.ndarray,
-        drafts: list[int],
-        draft_probs: list[np.ndarray],
-        config: SamplingConfig,
-        rng: np.random.Generator,
-    ) -> tuple[int, int]:
-        """(number of drafts accepted, the target's own next token)."""
-        if config.temperature <= 0:
-            accepted = 0
-            while accepted < len(drafts) and int(rows[accepted].argmax()) == drafts[accepted]:
-                accepted += 1
-            return accepted, int(rows[accepted].argmax())
-        for index, token in enumerate(drafts):
-            p = probabilities(rows[index], config)
-            q = draft_probs[index]
-            if rng.random() < min(1.0, p[token] / q[token]):
-                continue
-            residual = np.maximum(p - q, 0.0)
-            total = residual.sum()
-            residual = residual / total if total > 0 else p
-            return index, int(rng.choice(residual.size, p=residual))
-        p = probabilities(rows[len(drafts)], config)
-        return len(drafts), int(rng.choice(p.size, p=p))
-
-    def generate(
-        self, prompt: list[int], config: SamplingConfig, on_tokens: Callable[[list[int]], bool] | None = None
-    ) -> tuple[list[int], Stats]:
-        """Generate after `prompt`. `on_tokens` gets each step's new tokens; returning False stops early."""
+    def _prefill(self, prompt: list[int], stats: Stats, keep_going: Callable[[], bool]) -> bool:
+        """Decode all but the prompt's last token, reusing the KV of a prefix a previous turn left; batch by
+        batch, so a long prompt can be cancelled. False when it was."""
         if not prompt:
             raise SpectuneError("empty prompt")
         if len(prompt) >= self.target.n_ctx:
             raise SpectuneError(f"prompt of {len(prompt)} tokens does not fit the context of {self.target.n_ctx}")
-        stats = Stats(prompt_tokens=len(prompt))
-        rng = np.random.default_rng(config.seed)
-        begin = time.perf_counter()
-        # A voice call is many short turns on a growing context: keep the KV of the shared prefix.
+        start = time.perf_counter()
         reused = self.target.reusable_prefix(prompt[:-1])
         self.target.truncate(reused)
-        if len(prompt) - 1 > reused:
-            self.target.decode(prompt[reused:-1], reused, all_logits=False)
-        stats.reused_prompt_tokens = reused
-        stats.prefill_seconds = time.perf_counter() - begin
+        stats.prompt_tokens, stats.reused_prompt_tokens = len(prompt), reused
+        for position in range(reused, len(prompt) - 1, self.target.n_batch):
+            if not keep_going():
+                return False
+            end = min(position + self.target.n_batch, len(prompt) - 1)
+            self.target.decode(prompt[position:end], position, all_logits=False)
+        stats.prefill_seconds = time.perf_counter() - start
+        return True
+
+    def generate(
+        self, prompt: list[int], config: SamplingConfig, on_text: Callable[[str], bool] | None = None
+    ) -> Generation:
+        """Generate after `prompt`. `on_text` gets the final text after every step (possibly empty); returning
+        False stops the generation (finish reason "cancelled")."""
+        begin = time.perf_counter()
+        stats = Stats()
+        if not self._prefill(prompt, stats, lambda: on_text is None or on_text("") is not False):
+            stats.finish_reason = "cancelled"
+            return Generation([], "", stats)
+        sampler = make_sampler(config)
+        stream = TextStream(self.target, config.stop)
         sequence = list(prompt)  # every token so far; the last one is not yet in the target's cache
         output: list[int] = []
         k = config.draft_max
-        stop_text = config.stop
-        while len(output) < config.max_tokens:
-            room = self.target.n_ctx - len(sequence)  # positions left for the last token and the proposals
-            if room <= 0:
-                stats.finish_reason = "length"
-                break
+        unsent = ""  # final text not yet handed to on_text
+        while len(output) < config.max_tokens and len(sequence) < self.target.n_ctx:
+            room = self.target.n_ctx - len(sequence)  # positions left after the last token, for the proposals
             step_k = max(0, min(k, room - 1, config.max_tokens - len(output) - 1))
-            drafts, draft_probs = self._propose(sequence, step_k, config, rng, stats)
-            start = time.perf_counter()
-            position = len(sequence) - 1
-            rows = self.target.decode([sequence[-1], *drafts], position, all_logits=True)
-            accepted, own = self._verify(rows, drafts, draft_probs, config, rng)
-            self.target.truncate(position + 1 + accepted)  # keep the last token and the accepted drafts
-            stats.verify_seconds += time.perf_counter() - start
-            stats.verify_steps += 1
-            stats.drafted += len(drafts)
-            stats.accepted += accepted
-            for index in range(len(drafts)):
-                if index >= len(stats.drafted_at):
-                    stats.drafted_at.append(0)
-                    stats.accepted_at.append(0)
-                stats.drafted_at[index] += 1
-                stats.accepted_at[index] += int(index < accepted)
-            if config.adaptive and drafts:
-                k = min(config.draft_max, k + 1) if accepted == len(drafts) else max(1, min(k, accepted + 1))
-            new = [*drafts[:accepted], own]
-            ended = next((i for i, token in enumerate(new) if self.target.is_end(token)), None)
-            stats.produced += len(new) if ended is None else ended + 1  # up to the end token, which τ counts
-            if ended is not None:
-                new = new[:ended]
-                stats.finish_reason = "stop"
-            new = new[: config.max_tokens - len(output)]
-            before = len(output)
+            step = speculative_step(self.target, self.drafter, sequence, step_k, sampler, config.draft_p_min)
+            ended = next((i for i, token in enumerate(step.tokens) if self.target.is_end(token)), None)
+            stats.record(step, len(step.tokens) if ended is None else ended + 1)  # τ counts the end token
+            if config.adaptive and step.drafts:
+                k = min(config.draft_max, k + 1) if step.accepted == len(step.drafts) else max(1, step.accepted + 1)
+            new = step.tokens[:ended][: config.max_tokens - len(output)]
             output += new
             sequence += new
-            if stop_text:
-                text = self.target.detokenize(output)
-                hit = min((text.find(s) for s in stop_text if s in text), default=-1)
-                if hit >= 0:
-                    output = _cut_at_text(self.target, output, hit)
-                    stats.finish_reason = "stop"
-            new = output[before:]
-            if before == 0 and new:
+            if output and not stats.ttft_seconds:
                 stats.ttft_seconds = time.perf_counter() - begin
-            keep_going = on_tokens(new) if (on_tokens and new) else True
-            if stats.finish_reason == "stop" or keep_going is False:
-                if keep_going is False:
-                    stats.finish_reason = "cancelled"
+            unsent = stream.add(new)
+            if ended is not None or stream.stopped:
+                stats.finish_reason = "stop"
                 break
+            if on_text is not None and on_text(unsent) is False:
+                stats.finish_reason = "cancelled"
+                break
+            unsent = ""
+        unsent += stream.finish()
+        if on_text is not None and unsent and stats.finish_reason != "cancelled":
+            on_text(unsent)
+        output = output[: stream.kept_tokens()]
         stats.generated = len(output)
         stats.total_seconds = time.perf_counter() - begin
-        return output, stats
-
-
-def _cut_at_text(model: LlamaModel, tokens: list[int], char_index: int) -> list[int]:
-    """The longest prefix of `tokens` whose text ends at or before `char_index`."""
-    kept: list[int] = []
-    for token in tokens:
-        if len(model.detokenize([*kept, token])) > char_index:
-            break
-        kept.append(token)
-    return kept
+        return Generation(output, stream.text, stats)

@@ -10,55 +10,93 @@ clauses for a TTS engine instead of token deltas.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import hmac
 import json
 import re
+import secrets
+import socket
 import threading
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from spectune.runtime.chat import chat_prompt
+from spectune.config import Settings
+from spectune.errors import SpectuneError
+from spectune.layout import RunLayout
+from spectune.runtime.chat import chat_tokens
 from spectune.runtime.llama import LlamaModel
-from spectune.runtime.speculative import SamplingConfig, SpeculativeDecoder, Stats
+from spectune.runtime.speculative import Generation, SamplingConfig, SpeculativeDecoder, Stats
+from spectune.speedup import DEFAULT_DRAFT_MAX
 
 CLAUSE_END = re.compile(r"[.!?;:,](\s|$)")
 
 
-@dataclass
-class ServeConfig:
-    target: Path
-    draft: Path | None = None
-    slots: int = 1
-    n_ctx: int = 4096
-    threads: int | None = None
-    exact: bool = True
-    draft_max: int = 8
-    queue_timeout: float = 30.0
-    api_key: str | None = None
-    max_request_bytes: int = 1 << 20
-    model_name: str = "spectune"
-    reuse_prefix: bool = True  # keep a slot's KV cache for the next turn (off: every request prefills all)
+class ServeConfig(Settings):
+    """Everything `spectune serve` takes."""
+
+    target: Path | None = Field(None, description="Target GGUF (or --run).")
+    draft: Path | None = Field(None, description="Draft GGUF: speculative decoding (or --run).")
+    run: Path | None = Field(None, description="A finished `spectune run` folder: serve its chosen pair and k.")
+    draft_max: int | None = Field(None, ge=0, description="Draft length k (default: the run's recommended k, else 8).")
+    host: str = Field("127.0.0.1", description="Bind address (loopback by default).")
+    port: int = Field(8000, ge=0, le=65535, description="Port.")
+    slots: int = Field(1, ge=1, description="Concurrent generations (each its own contexts).")
+    n_ctx: int = Field(4096, ge=64, description="Context length per slot.")
+    queue_timeout: float = Field(30.0, gt=0, description="Seconds a request may wait for a slot, then 503.")
+    api_key: str | None = Field(None, min_length=1, description="Require this bearer token (also $SPECTUNE_API_KEY).")
+    threads: int | None = Field(None, ge=1, description="Threads for llama.cpp (default: $SPECTUNE_THREADS or all).")
+    exact: bool = Field(True, description="Batched logits equal to one-token ones (identical greedy answers).")
+    max_request_bytes: int = Field(1 << 20, ge=1024, description="Largest request body (413 past it).")
+    max_seconds: float = Field(120.0, gt=0, description="Longest a generation may run (then finish_reason length).")
+    model_name: str = Field("spectune", description="The model id the API reports.")
+    reuse_prefix: bool = Field(True, description="Keep a slot's KV cache for the next turn of a conversation.")
+
+    @model_validator(mode="after")
+    def _pair(self) -> ServeConfig:
+        if self.run is not None:
+            chosen = RunLayout(self.run).read_chosen_pair()
+            self.target = self.target or Path(chosen["target"])
+            self.draft = self.draft or Path(chosen["draft"])
+            self.draft_max = chosen["k"] if self.draft_max is None else self.draft_max
+        if self.target is None:
+            raise ValueError("give --target (and --draft), or --run RUN_DIR")
+        if self.draft_max is None:
+            self.draft_max = DEFAULT_DRAFT_MAX
+        return self
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["text"]
+    text: str
 
 
 class Message(BaseModel):
     model_config = ConfigDict(extra="ignore")
     role: Literal["system", "user", "assistant"]
-    content: str
+    content: str | list[TextPart]  # OpenAI also takes a list of text parts
 
     @field_validator("content")
     @classmethod
-    def _not_empty(cls, value: str) -> str:
-        if not value.strip():
+    def _text(cls, value: str | list[TextPart]) -> str:
+        text = value if isinstance(value, str) else "".join(part.text for part in value)
+        if not text.strip():
             raise ValueError("empty content")
-        return value
+        return text
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    include_usage: bool = False
 
 
 class ChatRequest(BaseModel):
@@ -70,9 +108,16 @@ class ChatRequest(BaseModel):
     temperature: float = Field(0.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: int | None = Field(None, ge=0, lt=2**63)
     stream: bool = False
+    stream_options: StreamOptions | None = None
     chunking: Literal["token", "sentence"] = "token"
+    user: str | None = None  # the caller: a slot reuses a cached prompt only for the same caller
+
+    @field_validator("temperature")
+    @classmethod
+    def _greedy_below(cls, value: float) -> float:
+        return 0.0 if value < 1e-4 else value  # a vanishing temperature is greedy decoding
 
 
 class Slot:
@@ -84,15 +129,22 @@ class Slot:
             else None
         )
         self.decoder = SpeculativeDecoder(self.target, draft)
+        self.owner: str | None = None  # the caller whose conversation the KV cache holds
+
+    def serve(self, caller: str | None, reuse_prefix: bool) -> None:
+        """Keep the cached prompt only for the same caller: another caller must learn nothing of it, not even
+        through how many tokens were reused or how fast the first token came."""
+        if caller is None or caller != self.owner or not reuse_prefix:
+            self.decoder.forget()
+        self.owner = caller
 
 
 def error_body(status: int, message: str, kind: str, param: str | None = None) -> tuple[int, dict[str, Any]]:
     return status, {"error": {"message": message, "type": kind, "param": param, "code": status}}
 
 
-def create_app(config: ServeConfig) -> FastAPI:
-    registry = CollectorRegistry()
-    metrics = {
+def make_metrics(registry: CollectorRegistry) -> dict[str, Any]:
+    return {
         "requests": Counter("spectune_requests", "Requests by status", ["status"], registry=registry),
         "ttft": Histogram(
             "spectune_ttft_seconds",
@@ -110,29 +162,250 @@ def create_app(config: ServeConfig) -> FastAPI:
         "accepted_len": Gauge("spectune_mean_accepted_len", "Tokens per target pass, last request", registry=registry),
         "queue": Gauge("spectune_queue_depth", "Requests waiting for a slot", registry=registry),
     }
-    slots: asyncio.Queue[Slot] = asyncio.Queue()
-    for _ in range(config.slots):
-        slots.put_nowait(Slot(config))
-    app = FastAPI(title="spectune", version="1")
 
-    def fail(status: int, message: str, kind: str, param: str | None = None, headers: dict | None = None) -> Any:
-        metrics["requests"].labels(status=str(status)).inc()
+
+class TooLarge(Exception):
+    pass
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The body, read chunk by chunk so a chunked upload past `limit` is refused before it is all in memory."""
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > limit:
+            raise TooLarge
+    return bytes(body)
+
+
+class Server:
+    """The slots, the metrics, the running generations and the request handling; `create_app` maps the routes."""
+
+    def __init__(self, config: ServeConfig) -> None:
+        self.config = config
+        self.registry = CollectorRegistry()
+        self.metrics = make_metrics(self.registry)
+        self.slots: asyncio.Queue[Slot] = asyncio.Queue()
+        for _ in range(config.slots):
+            self.slots.put_nowait(Slot(config))
+        self.jobs: set[Job] = set()
+
+    def shutdown(self) -> None:
+        """Stop every generation and wait for its thread: no thread may be inside llama.cpp when models are freed."""
+        for job in list(self.jobs):
+            job.cancel.set()
+        for job in list(self.jobs):
+            job.thread.join(timeout=60)
+
+    def fail(self, status: int, message: str, kind: str, param: str | None = None, headers: dict | None = None) -> Any:
+        self.metrics["requests"].labels(status=str(status)).inc()
         code, body = error_body(status, message, kind, param)
         return JSONResponse(body, status_code=code, headers=headers)
 
-    @app.middleware("http")
-    async def guard(request: Request, call_next: Any) -> Any:
-        authorized = request.headers.get("authorization") == f"Bearer {config.api_key}"
-        if config.api_key and request.url.path != "/health" and not authorized:
-            return fail(401, "missing or wrong API key (Authorization: Bearer ...)", "authentication_error")
-        length = request.headers.get("content-length")
-        if length and int(length) > config.max_request_bytes:
-            return fail(413, f"request larger than {config.max_request_bytes} bytes", "invalid_request_error")
-        return await call_next(request)
+    async def parse(self, request: Request) -> ChatRequest | JSONResponse:
+        """The request, or the error response that says what is wrong with it."""
+        limit = self.config.max_request_bytes
+        try:
+            body = json.loads(await read_body(request, limit))
+        except TooLarge:
+            return self.fail(413, f"request larger than {limit} bytes", "invalid_request_error")
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            return self.fail(400, f"malformed JSON: {exc}", "invalid_request_error")
+        if isinstance(body, dict) and isinstance(body.get("extra_body"), dict):
+            body = {**body, **body["extra_body"]}
+        try:
+            return ChatRequest.model_validate(body)
+        except ValidationError as exc:
+            first = exc.errors()[0]
+            param = ".".join(str(part) for part in first["loc"])
+            status = 422 if first["type"] != "missing" else 400
+            return self.fail(status, f"{param}: {first['msg']}", "invalid_request_error", param)
+
+    async def take_slot(self, request: Request) -> Slot | JSONResponse:
+        self.metrics["queue"].inc()
+        try:
+            slot = await asyncio.wait_for(self.slots.get(), timeout=self.config.queue_timeout)
+        except TimeoutError:
+            retry = str(max(1, int(self.config.queue_timeout)))
+            return self.fail(503, "all slots are busy; retry shortly", "server_busy", headers={"Retry-After": retry})
+        finally:
+            self.metrics["queue"].dec()
+        if await request.is_disconnected():  # abandoned while it waited: never run it
+            self.slots.put_nowait(slot)
+            return self.fail(499, "the client went away while waiting", "client_closed")
+        return slot
+
+    def sampling(self, chat: ChatRequest, room: int) -> SamplingConfig:
+        wanted = chat.max_completion_tokens or chat.max_tokens or room - 1
+        seed = chat.seed if chat.seed is not None else secrets.randbits(63)  # unseeded sampling varies
+        return SamplingConfig(
+            max_tokens=min(wanted, room - 1),
+            temperature=chat.temperature,
+            top_p=chat.top_p,
+            seed=seed,
+            draft_max=self.config.draft_max or 0,
+            stop=[chat.stop] if isinstance(chat.stop, str) else list(chat.stop or []),
+        )
+
+    def start(self, slot: Slot, chat: ChatRequest) -> Job | JSONResponse:
+        """Tokenize the conversation in the slot and start its generation (or say why not)."""
+        try:
+            prompt = chat_tokens(slot.target, [m.model_dump() for m in chat.messages])
+        except SpectuneError as exc:
+            self.slots.put_nowait(slot)
+            return self.fail(400, str(exc), "invalid_request_error", "messages")
+        room = slot.target.n_ctx - len(prompt)
+        if room <= 1:
+            self.slots.put_nowait(slot)
+            message = f"the conversation is {len(prompt)} tokens; the context holds {slot.target.n_ctx}"
+            return self.fail(413, message, "context_length_exceeded", "messages")
+        slot.serve(chat.user, self.config.reuse_prefix)
+        job = Job(slot, prompt, self.sampling(chat, room), asyncio.get_running_loop(), self.config.max_seconds)
+        self.jobs.add(job)
+
+        def ended(_: Any) -> None:  # the slot is free exactly when its generation has ended
+            self.jobs.discard(job)
+            self.slots.put_nowait(slot)
+
+        job.done.add_done_callback(ended)
+        job.start()
+        return job
+
+    async def completions(self, request: Request) -> Any:
+        chat = await self.parse(request)
+        if isinstance(chat, JSONResponse):
+            return chat
+        slot = await self.take_slot(request)
+        if isinstance(slot, JSONResponse):
+            return slot
+        job = self.start(slot, chat)
+        if isinstance(job, JSONResponse):
+            return job
+        if chat.stream:
+            return StreamingResponse(self.stream(job, chat, request), media_type="text/event-stream")
+        while not job.done.done():  # a caller who hangs up stops the generation and frees the slot
+            await asyncio.wait([job.done], timeout=0.1)
+            if not job.done.done() and await request.is_disconnected():
+                job.cancel.set()
+        if job.done.exception() is not None:
+            return self.fail(500, f"generation failed: {job.done.exception()}", "server_error")
+        generation = job.done.result()
+        self.record(generation.stats)
+        return {
+            "id": job.id,
+            "object": "chat.completion",
+            "created": int(time.time()),
+            "model": self.config.model_name,
+            "choices": [
+                {
+                    "index": 0,
+                    "message": {"role": "assistant", "content": generation.text},
+                    "finish_reason": job.finish_reason(),
+                }
+            ],
+            "usage": usage(generation.stats),
+            "spectune": stats_json(generation.stats),
+        }
+
+    async def stream(self, job: Job, chat: ChatRequest, request: Request) -> AsyncIterator[bytes]:
+        pending = ""
+        yield sse(self.chunk(job, {"role": "assistant", "content": ""}, None))
+        try:
+            while (text := await job.queue.get()) is not None:
+                if await request.is_disconnected():
+                    job.cancel.set()
+                pending += text
+                cut = max((m.end() for m in CLAUSE_END.finditer(pending)), default=0)
+                piece, pending = (pending[:cut], pending[cut:]) if chat.chunking == "sentence" else (pending, "")
+                if piece:
+                    yield sse(self.chunk(job, {"content": piece}, None))
+            try:
+                generation = await job.result()
+            except Exception as exc:  # the stream says so and ends properly, and /metrics counts it
+                self.metrics["requests"].labels(status="500").inc()
+                yield sse(error_body(500, f"generation failed: {exc}", "server_error")[1])
+                yield b"data: [DONE]\n\n"
+                return
+            if pending:
+                yield sse(self.chunk(job, {"content": pending}, None))
+            self.record(generation.stats)
+            final = self.chunk(job, {}, job.finish_reason())
+            final["spectune"] = stats_json(generation.stats)
+            yield sse(final)
+            if chat.stream_options and chat.stream_options.include_usage:  # OpenAI: a last chunk with no choices
+                yield sse({**self.chunk(job, {}, None), "choices": [], "usage": usage(generation.stats)})
+            yield b"data: [DONE]\n\n"
+        finally:
+            job.cancel.set()  # a client gone mid-stream stops the generation, which frees the slot
+
+    def record(self, stats: Stats) -> None:
+        self.metrics["requests"].labels(status="200").inc()
+        self.metrics["ttft"].observe(stats.ttft_seconds)
+        self.metrics["tps"].observe(stats.tokens_per_second)
+        self.metrics["acceptance"].set(stats.acceptance_rate)
+        self.metrics["accepted_len"].set(stats.mean_accepted_len)
+
+    def chunk(self, job: Job, delta: dict, reason: str | None) -> dict[str, Any]:
+        return {
+            "id": job.id,
+            "object": "chat.completion.chunk",
+            "created": int(time.time()),
+            "model": self.config.model_name,
+            "choices": [{"index": 0, "delta": delta, "finish_reason": reason}],
+        }
+
+
+def authorized(header: str | None, key: str) -> bool:
+    """`Authorization: Bearer KEY`, the scheme in any case, the key compared in constant time."""
+    scheme, _, given = (header or "").partition(" ")
+    return scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(), key.encode())
+
+
+class Guard:
+    """Authentication and the declared body size, checked before a route runs. A plain ASGI middleware: it hands the
+    connection on untouched, so a handler still sees a caller hang up (Starlette's BaseHTTPMiddleware hides it)."""
+
+    def __init__(self, app: Any, server: Server) -> None:
+        self.app, self.server = app, server
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] == "http":
+            config = self.server.config
+            headers = {name.decode("latin-1").lower(): value.decode("latin-1") for name, value in scope["headers"]}
+            length = headers.get("content-length", "")
+            refusal = None
+            if (
+                config.api_key
+                and scope["path"] != "/health"
+                and not authorized(headers.get("authorization"), config.api_key)
+            ):
+                refusal = self.server.fail(
+                    401, "missing or wrong API key (Authorization: Bearer ...)", "authentication_error"
+                )
+            elif length.isdigit() and int(length) > config.max_request_bytes:
+                message = f"request larger than {config.max_request_bytes} bytes"
+                refusal = self.server.fail(413, message, "invalid_request_error")
+            if refusal is not None:
+                await refusal(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+def create_app(config: ServeConfig) -> FastAPI:
+    server = Server(config)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        yield
+        await asyncio.to_thread(server.shutdown)
+
+    app = FastAPI(title="spectune", version="1", lifespan=lifespan)
+
+    app.add_middleware(Guard, server=server)
 
     @app.get("/health")
     async def health() -> dict[str, Any]:
-        return {"status": "ok", "slots_free": slots.qsize(), "slots": config.slots}
+        return {"status": "ok", "slots_free": server.slots.qsize(), "slots": config.slots}
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
@@ -140,142 +413,9 @@ def create_app(config: ServeConfig) -> FastAPI:
 
     @app.get("/metrics")
     async def prometheus() -> Any:
-        return PlainTextResponse(generate_latest(registry).decode(), media_type="text/plain; version=0.0.4")
+        return PlainTextResponse(generate_latest(server.registry).decode(), media_type="text/plain; version=0.0.4")
 
-    @app.post("/v1/chat/completions")
-    async def completions(request: Request) -> Any:
-        raw = await request.body()
-        if len(raw) > config.max_request_bytes:
-            return fail(413, f"request larger than {config.max_request_bytes} bytes", "invalid_request_error")
-        try:
-            body = json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            return fail(400, f"malformed JSON: {exc}", "invalid_request_error")
-        if isinstance(body, dict) and isinstance(body.get("extra_body"), dict):
-            body = {**body, **body["extra_body"]}
-        try:
-            chat = ChatRequest.model_validate(body)
-        except ValidationError as exc:
-            first = exc.errors()[0]
-            param = ".".join(str(part) for part in first["loc"])
-            return fail(
-                422 if first["type"] != "missing" else 400, f"{param}: {first['msg']}", "invalid_request_error", param
-            )
-        metrics["queue"].inc()
-        try:
-            slot = await asyncio.wait_for(slots.get(), timeout=config.queue_timeout)
-        except TimeoutError:
-            return fail(
-                503,
-                "all slots are busy; retry shortly",
-                "server_busy",
-                headers={"Retry-After": str(max(1, int(config.queue_timeout)))},
-            )
-        finally:
-            metrics["queue"].dec()
-        try:
-            prompt = slot.target.tokenize(chat_prompt(slot.target, [m.model_dump() for m in chat.messages]))
-        except Exception:
-            slots.put_nowait(slot)
-            raise
-        room = slot.target.n_ctx - len(prompt)
-        if room <= 1:
-            slots.put_nowait(slot)
-            return fail(
-                413,
-                f"the conversation is {len(prompt)} tokens; the context holds {slot.target.n_ctx}",
-                "context_length_exceeded",
-                "messages",
-            )
-        wanted = chat.max_completion_tokens or chat.max_tokens or room - 1
-        sampling = SamplingConfig(
-            max_tokens=min(wanted, room - 1),
-            temperature=chat.temperature,
-            top_p=chat.top_p,
-            seed=chat.seed if chat.seed is not None else 0,
-            draft_max=config.draft_max,
-            stop=[chat.stop] if isinstance(chat.stop, str) else list(chat.stop or []),
-        )
-        if not config.reuse_prefix:
-            slot.target.truncate(0)
-        job = Job(slot, prompt, sampling, asyncio.get_running_loop())
-        # The slot is free exactly when its generation has ended, however the request ends.
-        job.done.add_done_callback(lambda _: slots.put_nowait(slot))
-        job.start()
-        if chat.stream:
-            return StreamingResponse(stream(job, chat, request), media_type="text/event-stream")
-        tokens, stats = await job.result()
-        record(stats)
-        metrics["requests"].labels(status="200").inc()
-        return {
-            "id": job.id,
-            "object": "chat.completion",
-            "created": int(time.time()),
-            "model": config.model_name,
-            "choices": [
-                {
-                    "index": 0,
-                    "message": {"role": "assistant", "content": slot.target.detokenize(tokens)},
-                    "finish_reason": finish(stats),
-                }
-            ],
-            "usage": usage(stats),
-            "spectune": stats_json(stats),
-        }
-
-    async def stream(job: Job, chat: ChatRequest, request: Request) -> AsyncIterator[bytes]:
-        target = job.slot.target
-        emitted: list[int] = []
-        sent_text = ""
-        pending = ""
-        first = {"role": "assistant", "content": ""}
-        yield sse(chunk(job, first, None))
-        try:
-            while True:
-                item = await job.queue.get()
-                if await request.is_disconnected():
-                    job.cancel.set()
-                if item is None:
-                    break
-                emitted += item
-                text = target.detokenize(emitted)
-                pending += text[len(sent_text) :]
-                sent_text = text
-                if chat.chunking == "sentence":
-                    cut = max((m.end() for m in CLAUSE_END.finditer(pending)), default=0)
-                    piece, pending = pending[:cut], pending[cut:]
-                else:
-                    piece, pending = pending, ""
-                if piece:
-                    yield sse(chunk(job, {"content": piece}, None))
-            _, stats = await job.result()
-            if pending:
-                yield sse(chunk(job, {"content": pending}, None))
-            record(stats)
-            metrics["requests"].labels(status="200").inc()
-            final = chunk(job, {}, finish(stats))
-            final["usage"] = usage(stats)
-            final["spectune"] = stats_json(stats)
-            yield sse(final)
-            yield b"data: [DONE]\n\n"
-        finally:
-            job.cancel.set()  # a client gone mid-stream stops the generation, which frees the slot
-
-    def record(stats: Stats) -> None:
-        metrics["ttft"].observe(stats.ttft_seconds)
-        metrics["tps"].observe(stats.tokens_per_second)
-        metrics["acceptance"].set(stats.acceptance_rate)
-        metrics["accepted_len"].set(stats.mean_accepted_len)
-
-    def chunk(job: Job, delta: dict, reason: str | None) -> dict[str, Any]:
-        return {
-            "id": job.id,
-            "object": "chat.completion.chunk",
-            "created": int(time.time()),
-            "model": config.model_name,
-            "choices": [{"index": 0, "delta": delta, "finish_reason": reason}],
-        }
-
+    app.post("/v1/chat/completions")(server.completions)
     return app
 
 
@@ -312,29 +452,51 @@ def stats_json(stats: Stats) -> dict[str, Any]:
 
 
 class Job:
-    """One generation on a worker thread; its tokens come back through an asyncio queue."""
+    """One generation on a worker thread; its text comes back through an asyncio queue."""
 
-    def __init__(self, slot: Slot, prompt: list[int], sampling: SamplingConfig, loop: asyncio.AbstractEventLoop):
+    def __init__(
+        self,
+        slot: Slot,
+        prompt: list[int],
+        sampling: SamplingConfig,
+        loop: asyncio.AbstractEventLoop,
+        max_seconds: float,
+    ) -> None:
         self.id = f"chatcmpl-{uuid.uuid4().hex[:24]}"
         self.slot, self.prompt, self.sampling, self.loop = slot, prompt, sampling, loop
-        self.queue: asyncio.Queue[list[int] | None] = asyncio.Queue()
+        self.deadline = time.monotonic() + max_seconds
+        self.timed_out = False
+        self.queue: asyncio.Queue[str | None] = asyncio.Queue()
         self.cancel = threading.Event()
         self.done: asyncio.Future = loop.create_future()
+        self.thread = threading.Thread(target=self._run, daemon=True)
 
     def start(self) -> None:
-        threading.Thread(target=self._run, daemon=True).start()
+        self.thread.start()
+
+    def finish_reason(self) -> str:
+        reason = self.done.result().stats.finish_reason
+        return "length" if reason == "length" or self.timed_out else "stop"
+
+    def _call(self, *args: Any) -> None:
+        """Hand something to the event loop, unless it has closed (the server is shutting down)."""
+        with contextlib.suppress(RuntimeError):
+            self.loop.call_soon_threadsafe(*args)
 
     def _run(self) -> None:
-        def on_tokens(tokens: list[int]) -> bool:
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, list(tokens))
-            return not self.cancel.is_set()
+        def on_text(text: str) -> bool:
+            if text:
+                self._call(self.queue.put_nowait, text)
+            if time.monotonic() > self.deadline:
+                self.timed_out = True
+            return not (self.cancel.is_set() or self.timed_out)
 
         try:
-            result = self.slot.decoder.generate(self.prompt, self.sampling, on_tokens)
+            result = self.slot.decoder.generate(self.prompt, self.sampling, on_text)
         except Exception as exc:  # surfaces in the request that waits for it
-            self.loop.call_soon_threadsafe(self._finish, None, exc)
+            self._call(self._finish, None, exc)
         else:
-            self.loop.call_soon_threadsafe(self._finish, result, None)
+            self._call(self._finish, result, None)
 
     def _finish(self, result: Any, error: BaseException | None) -> None:
         if error is not None:
@@ -343,17 +505,13 @@ class Job:
             self.done.set_result(result)
         self.queue.put_nowait(None)
 
-    async def result(self) -> tuple[list[int], Stats]:
+    async def result(self) -> Generation:
         return await asyncio.shield(self.done)
 
 
 def serve_in_thread(config: ServeConfig, host: str = "127.0.0.1") -> tuple[Any, threading.Thread, str]:
     """Start the server on a free port in a background thread (tests, benchmarks, embedding);
     returns (uvicorn server, thread, base URL). Stop it with `server.should_exit = True`."""
-    import socket
-
-    import uvicorn
-
     with socket.socket() as probe:
         probe.bind((host, 0))
         port = probe.getsockname()[1]

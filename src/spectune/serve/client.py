@@ -6,18 +6,19 @@ import json
 import shutil
 import subprocess
 import time
+import uuid
 
+import httpx
 import typer
 
 
 def run_call(server: str, api_key: str | None, speak: bool, system: str | None) -> None:
-    import httpx
-
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     voice = shutil.which("espeak-ng") if speak else None
     if speak and voice is None:
         typer.echo("espeak-ng is not installed: answers are shown, not spoken")
     messages = [{"role": "system", "content": system}] if system else []
+    call_id = f"call-{uuid.uuid4().hex[:12]}"  # the server reuses this call's cached prefix turn after turn
     with httpx.Client(base_url=server, headers=headers, timeout=120) as client:
         while True:
             try:
@@ -28,7 +29,7 @@ def run_call(server: str, api_key: str | None, speak: bool, system: str | None) 
             start = time.perf_counter()
             first = None
             answer = ""
-            body = {"messages": messages, "stream": True, "chunking": "sentence"}
+            body = {"messages": messages, "stream": True, "chunking": "sentence", "user": call_id}
             with client.stream("POST", "/v1/chat/completions", json=body) as response:
                 if response.status_code != 200:
                     typer.echo(f"error {response.status_code}: {response.read().decode()}")
@@ -37,7 +38,11 @@ def run_call(server: str, api_key: str | None, speak: bool, system: str | None) 
                 for line in response.iter_lines():
                     if not line.startswith("data: ") or line == "data: [DONE]":
                         continue
-                    delta = json.loads(line[6:])["choices"][0]["delta"].get("content")
+                    chunk = json.loads(line[6:])
+                    if "error" in chunk:
+                        typer.echo(f"\nerror: {chunk['error']['message']}")
+                        break
+                    delta = chunk["choices"][0]["delta"].get("content") if chunk["choices"] else None
                     if not delta:
                         continue
                     first = first or time.perf_counter() - start

@@ -9,20 +9,53 @@ speculative sampling is α = E[Σ_x min(p(x), q(x))], from both distributions.
 
 from __future__ import annotations
 
+import json
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from spectune.speedup import expected_tokens, speedup, verify_ratio_at
+from pydantic import Field
 
-MAX_K = 8
+from spectune.atomic import atomic_path
+from spectune.config import Settings
+from spectune.data.prepare import read_prompts
+from spectune.errors import SpectuneError
+from spectune.models.load import check_model_dir, load_tokenizer
+from spectune.speedup import GPU_PROFILE, MAX_DRAFT_LEN, expected_tokens, speedup, verify_ratio_at
+from spectune.threads import configure_torch_threads
+from spectune.train.common import greedy_answer
+
+MAX_K = MAX_DRAFT_LEN
+GPU = GPU_PROFILE
+HERE = "here"  # the key of a profile measured on this machine
+
+
+class AcceptanceSettings(Settings):
+    """The offline meter's settings: the `acceptance:` section of a run config and flags of `spectune acceptance`."""
+
+    n: int = Field(30, ge=1, description="Held-out prompts the target answers.")
+    max_new_tokens: int = Field(64, ge=1, description="Longest target answer.")
+    temperature: float = Field(0.0, ge=0.0, description="Also measure sampling acceptance at this temperature.")
+
+
+class AcceptanceConfig(AcceptanceSettings):
+    """Everything `spectune acceptance` takes."""
+
+    target: Path = Field(description="The (fine-tuned, merged) target folder.")
+    drafts: dict[str, Path] = Field(description="Draft folders by name.")
+    data: Path = Field(description="Held-out prompts: a chat dataset or a `data prompts` file.")
+    profile: Path | None = Field(
+        None, description="Measured profile JSON (cost_ratio, verify_ratio): a pair manifest or a bench report."
+    )
+    json_out: Path | None = Field(None, description="Also write the results as JSON here.")
 
 
 @dataclass
 class Profile:
     """A hardware profile: c (draft step / target step) and r(n) (n-token batch / one token)."""
 
+    key: str  # GPU or HERE
     name: str
     cost_ratio: float
     verify_ratio: dict[str, float] = field(default_factory=dict)  # empty: r = 1 (memory-bound GPU)
@@ -38,6 +71,7 @@ class DraftAcceptance:
     tau_formula: dict[int, float]
     speedup: dict[str, dict[int, float]]  # profile name -> k -> S(k)
     best_k: dict[str, int]
+    recommended_k: int  # the best k on a memory-bound GPU, at least 1: what bench, serve and llama-server use
     alpha_sampled: float | None = None  # E[Σ min(p, q)] at the given temperature
 
 
@@ -65,8 +99,6 @@ def simulate_tau(matches: list[list[bool]], k: int) -> tuple[float, Counter[int]
 
 def target_continuations(target: Any, tokenizer: Any, prompts: list, max_new_tokens: int) -> list[tuple[list, list]]:
     """(prompt ids, the target's greedy answer ids, end token included) for each prompt."""
-    from spectune.train.common import greedy_answer
-
     return [greedy_answer(target, tokenizer, prompt.messages, max_new_tokens) for prompt in prompts]
 
 
@@ -111,7 +143,7 @@ def measure(
         tau_sim = {k: simulate_tau(matches, k)[0] for k in range(1, MAX_K + 1)}
         tau_formula = {k: expected_tokens(alpha, k) for k in range(1, MAX_K + 1)}
         speedups = {
-            profile.name: {
+            profile.key: {
                 k: speedup(tau_sim[k], k, profile.cost_ratio, verify_ratio_at(profile.verify_ratio, k + 1))
                 for k in tau_sim
             }
@@ -127,6 +159,7 @@ def measure(
                 tau_formula=tau_formula,
                 speedup=speedups,
                 best_k={profile: max(values, key=values.get) for profile, values in speedups.items()},
+                recommended_k=max(1, max(speedups[GPU], key=speedups[GPU].get)),
                 alpha_sampled=float(torch.cat(overlap).mean()) if overlap else None,
             )
         )
@@ -136,8 +169,6 @@ def measure(
 def load_models(target: Path, drafts: dict[str, Path]) -> tuple[Any, dict[str, Any], Any]:
     import torch
     from transformers import AutoModelForCausalLM
-
-    from spectune.models.load import check_model_dir, load_tokenizer
 
     def load(path: Path) -> Any:
         check_model_dir(path)
@@ -149,60 +180,42 @@ def load_models(target: Path, drafts: dict[str, Path]) -> tuple[Any, dict[str, A
 def gpu_profile(target: Any, draft: Any) -> Profile:
     """Memory-bound decoding: a step costs what its weights weigh, so c = draft params / target params, r = 1."""
     ratio = sum(p.numel() for p in draft.parameters()) / sum(p.numel() for p in target.parameters())
-    return Profile("gpu (memory-bound, predicted)", round(ratio, 4))
+    return Profile(GPU, "gpu (memory-bound, predicted)", round(ratio, 4))
 
 
 def read_profile(path: Path) -> Profile:
     """A measured profile from JSON: a profile object, or a pair manifest holding `profile_Q4_K_M`."""
-    import json
-
-    from spectune.errors import SpectuneError
-
     loaded = json.loads(path.read_text())
     loaded = loaded.get("profile_Q4_K_M", loaded.get("profile", loaded))
     if "cost_ratio" not in loaded or "verify_ratio" not in loaded:
         raise SpectuneError(f"{path}: no cost_ratio / verify_ratio (a profile or a pair manifest)")
     return Profile(
+        HERE,
         f"here ({loaded.get('machine', 'measured')})",
         float(loaded["cost_ratio"]),
         {str(n): float(r) for n, r in loaded["verify_ratio"].items()},
     )
 
 
-def run_acceptance(
-    target: Path,
-    drafts: dict[str, Path],
-    data: Path,
-    *,
-    n: int = 30,
-    max_new_tokens: int = 64,
-    temperature: float = 0.0,
-    profile_file: Path | None = None,
-    json_out: Path | None = None,
-) -> dict[str, Any]:
+def run_acceptance(config: AcceptanceConfig) -> dict[str, Any]:
     """The `spectune acceptance` stage: every draft against the target, on `n` held-out prompts."""
-    import json
-    from dataclasses import asdict
-
-    from spectune.atomic import atomic_path
-    from spectune.data.prepare import read_prompts
-    from spectune.threads import configure_torch_threads
-
     configure_torch_threads()
-    measured = [read_profile(profile_file)] if profile_file is not None else []
-    prompts = read_prompts(data)[:n]
-    target_model, draft_models, tokenizer = load_models(target, drafts)
+    measured = [read_profile(config.profile)] if config.profile is not None else []
+    prompts = read_prompts(config.data)[: config.n]
+    target_model, draft_models, tokenizer = load_models(config.target, config.drafts)
     profiles = [*measured, gpu_profile(target_model, next(iter(draft_models.values())))]
-    results = measure(target_model, draft_models, tokenizer, prompts, profiles, max_new_tokens, temperature)
+    results = measure(
+        target_model, draft_models, tokenizer, prompts, profiles, config.max_new_tokens, config.temperature
+    )
     report = {
-        "target": str(target),
-        "data": str(data),
+        "target": str(config.target),
+        "data": str(config.data),
         "prompts": len(prompts),
-        "temperature": temperature,
+        "temperature": config.temperature,
         "profiles": [asdict(p) for p in profiles],
         "drafts": [json.loads(json.dumps(asdict(r))) for r in results],  # int keys -> str, as in the file
     }
-    if json_out is not None:
-        with atomic_path(json_out) as tmp:
+    if config.json_out is not None:
+        with atomic_path(config.json_out) as tmp:
             tmp.write_text(json.dumps(report, indent=2))
     return report

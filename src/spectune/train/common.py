@@ -13,10 +13,11 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, Field
 from rich.console import Console
 
 from spectune.atomic import atomic_path
+from spectune.config import Settings
 from spectune.data.prepare import split_dialogues
 from spectune.data.read import Dialogue, read_dialogues
 from spectune.data.render import RenderStats, render_all
@@ -33,29 +34,38 @@ class TaskData:
     trained_tokens: int
 
 
-class TrainConfig(BaseModel):
-    """What every trainer takes (TRL style: one config per method extends this)."""
+class TrainSettings(Settings):
+    """The hyperparameters every trainer takes (TRL style: each method's settings extend these)."""
 
-    model_config = ConfigDict(extra="forbid")
+    epochs: float = Field(1.0, gt=0, description="Epochs over the data.")
+    max_steps: int = Field(0, ge=0, description="Stop after this many optimizer steps (0: epochs decide).")
+    batch_size: int = Field(8, ge=1, description="Dialogues per step.")
+    grad_accum: int = Field(1, ge=1, description="Steps accumulated per optimizer update.")
+    lr: float = Field(2e-4, gt=0, description="Learning rate.")
+    max_tokens: int = Field(512, ge=16, description="Longest sequence; longer dialogues are cut on turns.")
+    max_eval: int = Field(100, ge=1, description="Held-out dialogues the eval loss is measured on.")
+    max_train: int = Field(0, ge=0, description="Use only the first N train dialogues (0: all).")
+    save_steps: int = Field(50, ge=1, description="Checkpoint every N steps.")
+    gradient_checkpointing: bool | None = Field(
+        None, description="Recompute activations in backward (default: on with CUDA, off on a CPU)."
+    )
 
-    data: Path
-    out: Path
-    eval_data: Path | None = None
-    eval_fraction: float = Field(0.1, ge=0.0, lt=1.0)
-    max_eval: int = Field(200, ge=1)
-    max_train: int = Field(0, ge=0)  # 0 = every train dialogue; else the first N of the (seeded) split
-    system: str | None = None
-    chat_template: Path | None = None
-    max_tokens: int = Field(1024, ge=16)
-    epochs: float = Field(1.0, gt=0)
-    max_steps: int = 0
-    batch_size: int = Field(8, ge=1)
-    grad_accum: int = Field(1, ge=1)
-    lr: float = Field(2e-4, gt=0)
-    save_steps: int = Field(50, ge=1)
-    gradient_checkpointing: bool | None = None  # None: on for CUDA, off on CPU
-    seed: int = 0
-    resume: bool = False
+
+class TrainInputs(Settings):
+    """What a trainer reads and writes; `spectune run` fills these from its data section and run layout."""
+
+    data: Path = Field(description="Task dataset (chat JSONL or a save_to_disk folder).")
+    out: Path = Field(description="Output folder (checkpoints/, the model or adapter, a JSON report).")
+    eval_data: Path | None = Field(None, description="Held-out dataset (default: a seeded split of --data).")
+    eval_fraction: float = Field(0.1, ge=0.0, lt=1.0, description="Share held out when no eval data is given.")
+    system: str | None = Field(None, description="System prompt to prepend where a record has none.")
+    chat_template: Path | None = Field(None, description="Jinja chat template file, if the model has none.")
+    seed: int = Field(0, description="Seed (data split, init, order).")
+    resume: bool = Field(False, description="Continue from the last complete checkpoint.")
+
+
+class TrainConfig(TrainSettings, TrainInputs):
+    """Everything a trainer takes."""
 
 
 def read_split(config: TrainConfig) -> tuple[list[Dialogue], list[Dialogue]]:
@@ -185,15 +195,20 @@ def out_of_memory_advice(config: TrainConfig) -> Iterator[None]:
         ) from exc
 
 
-@dataclass
-class TrainOutcome:
+class TrainResult(BaseModel):
+    """What every training stage reports (each stage's result extends it)."""
+
     eval_loss_before: float
     eval_loss_after: float
     steps: int
-    seconds: float
+    train_dialogues: int
+    trained_tokens: int
+    seconds: float  # training with its evaluations
+    peak_memory_bytes: int
+    peak_memory_how: str
 
 
-def train_and_save(trainer: Any, tokenizer: Any, config: TrainConfig, save_to: Path) -> TrainOutcome:
+def train_and_save(trainer: Any, tokenizer: Any, config: TrainConfig, save_to: Path, data: TaskData) -> TrainResult:
     """Evaluate, train (from the last complete checkpoint with `resume`), evaluate; save atomically."""
     resume_from = last_checkpoint(config.out) if config.resume else None
     if config.resume and resume_from is None:
@@ -207,7 +222,17 @@ def train_and_save(trainer: Any, tokenizer: Any, config: TrainConfig, save_to: P
     with atomic_path(save_to) as tmp:
         trainer.model.save_pretrained(str(tmp))
         tokenizer.save_pretrained(str(tmp))
-    return TrainOutcome(before, after, trainer.state.global_step, round(timer.seconds, 2))
+    peak, how = peak_memory_bytes()
+    return TrainResult(
+        eval_loss_before=before,
+        eval_loss_after=after,
+        steps=trainer.state.global_step,
+        train_dialogues=len(data.train),
+        trained_tokens=data.trained_tokens,
+        seconds=round(timer.seconds, 2),
+        peak_memory_bytes=peak,
+        peak_memory_how=how,
+    )
 
 
 def write_report(path: Path, config: BaseModel, result: BaseModel, data: TaskData) -> None:

@@ -19,22 +19,32 @@ Greedy speculative acceptance is 1 − TV(p, q) per token, so `tv` optimises acc
 from __future__ import annotations
 
 import copy
+import typing
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, Field, model_validator
+from pydantic import Field, model_validator
+from rich.progress import track
 
+from spectune.atomic import atomic_path
 from spectune.data.read import Dialogue
 from spectune.errors import SpectuneError
+from spectune.export.gguf import export_model
 from spectune.models.load import check_model_dir, load_tokenizer
+from spectune.runtime.chat import chat_prompt
+from spectune.runtime.llama import LlamaModel
+from spectune.runtime.speculative import SamplingConfig, SpeculativeDecoder
+from spectune.threads import configure_torch_threads
 from spectune.train.common import (
     Timer,
     TrainConfig,
+    TrainResult,
+    TrainSettings,
     console,
     folder_bytes,
     greedy_answer,
     load_task_data,
-    peak_memory_bytes,
     read_split,
     train_and_save,
     trainer_settings,
@@ -42,44 +52,57 @@ from spectune.train.common import (
 )
 
 Method = Literal["sft", "kd", "seqkd", "onpolicy"]
+TEACHER_GGUF = "teacher.Q8_0.gguf"  # seqkd's target export, kept beside the draft
+METHODS: tuple[Method, ...] = typing.get_args(Method)
 # TRL's generalized JSD interpolates with beta: 0 is forward KL, 1 reverse KL.
 JSD_BETA = {"forward_kl": 0.0, "jsd": 0.5, "reverse_kl": 1.0}
 Divergence = Literal["forward_kl", "reverse_kl", "jsd", "tv"]
 
 
-class DraftConfig(TrainConfig):
+class DraftSettings(TrainSettings):
+    """Draft training's settings: the `drafts:` section of a run config and the flags of `spectune draft`."""
+
+    lr: float = Field(1e-3, gt=0, description="Learning rate.")
+    divergence: Divergence = Field("forward_kl", description="kd/onpolicy loss (tv: kd only).")
+    temperature: float = Field(1.0, gt=0, description="Distillation temperature.")
+    max_new_tokens: int = Field(64, ge=1, description="seqkd/onpolicy: longest answer the model generates.")
+    teacher_top_k: int = Field(
+        0, ge=0, description="kd: cache the target's top-k log-probs once (0: run the target on the fly)."
+    )
+    answers_by: Literal["llama.cpp", "hf"] = Field(
+        "llama.cpp", description="seqkd: generate the target's answers with llama.cpp (a Q8_0 export) or HF."
+    )
+
+
+def method_problems(method: str, settings: DraftSettings) -> list[str]:
+    """Settings that do not fit a method."""
+    problems = []
+    if method == "onpolicy" and settings.divergence not in JSD_BETA:
+        problems.append(f"onpolicy takes divergence {', '.join(JSD_BETA)} (TRL's generalized JSD), not tv")
+    if settings.teacher_top_k and method != "kd":
+        problems.append("teacher_top_k caches the teacher for kd only")
+    return problems
+
+
+class DraftConfig(DraftSettings, TrainConfig):
     """Everything `spectune draft` takes."""
 
-    target: Path  # the fine-tuned (merged) target: the teacher for kd, seqkd and onpolicy
-    draft: Path  # the base draft to start from
-    method: Method = "sft"
-    divergence: Divergence = "forward_kl"
-    temperature: float = Field(1.0, gt=0)
-    max_new_tokens: int = Field(96, ge=1)  # seqkd / onpolicy: longest answer generated
-    teacher_top_k: int = Field(0, ge=0)  # kd: 0 = teacher on the fly, else cache its top-k log-probs once
+    target: Path = Field(description="The fine-tuned (merged) target: the teacher for kd, seqkd and onpolicy.")
+    draft: Path = Field(description="The base draft folder to start from.")
+    method: Method = Field("sft", description="How the draft learns the target.")
 
     @model_validator(mode="after")
     def _fits_method(self) -> DraftConfig:
-        if self.method == "onpolicy" and self.divergence not in JSD_BETA:
-            raise ValueError(f"onpolicy takes divergence {', '.join(JSD_BETA)} (TRL's generalized JSD), not tv")
-        if self.teacher_top_k and self.method != "kd":
-            raise ValueError("teacher_top_k caches the teacher for kd only")
+        problems = method_problems(self.method, self)
+        if problems:
+            raise ValueError("; ".join(problems))
         return self
 
-    lr: float = Field(1e-3, gt=0)
 
-
-class DraftResult(BaseModel):
+class DraftResult(TrainResult):
     model: Path
     method: str
-    eval_loss_before: float
-    eval_loss_after: float
-    steps: int
-    train_dialogues: int
-    trained_tokens: int
-    seconds: float  # training (with its evaluations)
     teacher_seconds: float  # making the teacher's data first (seqkd answers, kd top-k cache)
-    peak_memory_bytes: int
     model_bytes: int
 
 
@@ -150,8 +173,6 @@ def teacher_cache(teacher: Any, datasets: list[Any], top_k: int, temperature: fl
 def cached_teacher(config: DraftConfig, teacher: Any, trainer: Any) -> dict[bytes, tuple]:
     """The top-k cache for the trainer's (processed) datasets, read from disk when made before with these settings."""
     import torch
-
-    from spectune.atomic import atomic_path
 
     path = config.out / f"teacher_top{config.teacher_top_k}.pt"
     settings = {"target": str(config.target.resolve()), "temperature": config.temperature}
@@ -241,29 +262,48 @@ def _load_causal_lm(path: Path) -> Any:
     return AutoModelForCausalLM.from_pretrained(str(path), local_files_only=True, dtype=torch.float32)
 
 
-def target_answers(target: Any, tokenizer: Any, dialogues: list[Dialogue], max_new_tokens: int) -> list[Dialogue]:
+def target_answers(answer: Callable[[list[dict[str, str]]], str], dialogues: list[Dialogue]) -> list[Dialogue]:
     """Each assistant turn replaced by the target's greedy answer to the dataset's context before it."""
-    from rich.progress import track
-
     rewritten = []
-    for dialogue in track(dialogues, description="target answers (onpolicy)", transient=True):
+    for dialogue in track(dialogues, description="the target's answers (seqkd)", transient=True):
         turns = []
         for index, turn in enumerate(dialogue.messages):
             if turn["role"] == "assistant":
-                _, answer_ids = greedy_answer(target, tokenizer, dialogue.messages[:index], max_new_tokens)
-                answer = tokenizer.decode(answer_ids, skip_special_tokens=True).strip()
-                turn = {"role": "assistant", "content": answer or turn["content"]}
+                turn = {"role": "assistant", "content": answer(dialogue.messages[:index]) or turn["content"]}
             turns.append(turn)
         rewritten.append(Dialogue(turns, dialogue.source, dialogue.line))
     return rewritten
+
+
+def hf_answerer(target: Any, tokenizer: Any, max_new_tokens: int) -> Callable[[list[dict[str, str]]], str]:
+    """The target's greedy answers with HF generate."""
+
+    def answer(messages: list[dict[str, str]]) -> str:
+        _, answer_ids = greedy_answer(target, tokenizer, messages, max_new_tokens)
+        return tokenizer.decode(answer_ids, skip_special_tokens=True).strip()
+
+    return answer
+
+
+def llama_answerer(config: DraftConfig) -> Callable[[list[dict[str, str]]], str]:
+    """The target's greedy answers from a Q8_0 export run by llama.cpp (as a user with a GPU would make them):
+    consecutive turns of a dialogue reuse the cached prefix."""
+    gguf = export_model(config.target, config.out / TEACHER_GGUF, "Q8_0")
+    model = LlamaModel(gguf, n_ctx=4096, threads=None, exact=False)
+    decoder = SpeculativeDecoder(model)
+    sampling = SamplingConfig(max_tokens=config.max_new_tokens)
+
+    def answer(messages: list[dict[str, str]]) -> str:
+        prompt = model.tokenize(chat_prompt(model, messages))[-(model.n_ctx - config.max_new_tokens - 1) :]
+        return decoder.generate(prompt, sampling).text.strip()
+
+    return answer
 
 
 def train_draft(config: DraftConfig) -> DraftResult:
     """Train a draft with `config.method`; returns the trained draft folder (a full HF model)."""
     from transformers import set_seed
     from trl import SFTConfig, SFTTrainer
-
-    from spectune.threads import configure_torch_threads
 
     configure_torch_threads()
     check_model_dir(config.target)
@@ -274,10 +314,16 @@ def train_draft(config: DraftConfig) -> DraftResult:
         raise SpectuneError(f"{config.draft} and {config.target} do not share a tokenizer: a draft must")
     set_seed(config.seed)
     split = read_split(config)
-    teacher = _load_causal_lm(config.target).eval() if config.method != "sft" else None
+    needs_hf_teacher = config.method in ("kd", "onpolicy") or (config.method == "seqkd" and config.answers_by == "hf")
+    teacher = _load_causal_lm(config.target).eval() if needs_hf_teacher else None
     with Timer() as teacher_time:
         if config.method == "seqkd":  # train and evaluate on what the target itself says
-            split = tuple(target_answers(teacher, tokenizer, part, config.max_new_tokens) for part in split)
+            answer = (
+                llama_answerer(config)
+                if config.answers_by == "llama.cpp"
+                else hf_answerer(teacher, tokenizer, config.max_new_tokens)
+            )
+            split = tuple(target_answers(answer, part) for part in split)
     data = load_task_data(tokenizer, config, split)
     model = _load_causal_lm(config.draft)
     if config.method == "onpolicy":
@@ -304,19 +350,12 @@ def train_draft(config: DraftConfig) -> DraftResult:
         f"parameters, {len(data.train)} dialogues, {data.trained_tokens:,} trained tokens"
     )
     out_model = config.out / "model"
-    outcome = train_and_save(trainer, tokenizer, config, out_model)
-    peak, _how = peak_memory_bytes()
+    outcome = train_and_save(trainer, tokenizer, config, out_model, data)
     result = DraftResult(
+        **outcome.model_dump(),
         model=out_model,
         method=config.method,
-        eval_loss_before=outcome.eval_loss_before,
-        eval_loss_after=outcome.eval_loss_after,
-        steps=outcome.steps,
-        train_dialogues=len(data.train),
-        trained_tokens=data.trained_tokens,
-        seconds=outcome.seconds,
         teacher_seconds=round(teacher_time.seconds, 2),
-        peak_memory_bytes=peak,
         model_bytes=folder_bytes(out_model),
     )
     write_report(config.out / "draft.json", config, result, data)

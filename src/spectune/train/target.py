@@ -13,44 +13,42 @@ from pydantic import BaseModel, Field
 from spectune.atomic import atomic_path
 from spectune.errors import SpectuneError
 from spectune.models.load import check_model_dir, load_tokenizer
+from spectune.threads import configure_torch_threads
 from spectune.train.common import (
     TrainConfig,
+    TrainResult,
+    TrainSettings,
     console,
     folder_bytes,
     has_cuda,
     load_task_data,
-    peak_memory_bytes,
     train_and_save,
     trainer_settings,
     write_report,
 )
 
 
-class FinetuneConfig(TrainConfig):
-    """Everything `spectune finetune` takes; the same keys under `finetune:` in a run config."""
+class FinetuneSettings(TrainSettings):
+    """QLoRA's settings: the `finetune:` section of a run config and the flags of `spectune finetune`."""
 
-    model: Path
-    four_bit: bool = True
-    lora_r: int = Field(16, ge=1)
-    lora_alpha: int = Field(32, ge=1)
-    lora_dropout: float = Field(0.05, ge=0.0, lt=1.0)
-    target_modules: list[str] | str = "all-linear"
-    lr: float = Field(2e-4, gt=0)
+    four_bit: bool = Field(True, description="QLoRA (NF4 4-bit base) or, off, plain LoRA on a 16/32-bit base.")
+    lora_r: int = Field(16, ge=1, description="LoRA rank.")
+    lora_alpha: int = Field(32, ge=1, description="LoRA alpha.")
+    lora_dropout: float = Field(0.05, ge=0.0, lt=1.0, description="LoRA dropout.")
+    target_modules: list[str] | str = Field("all-linear", description="Layers that get an adapter.")
 
 
-class FinetuneResult(BaseModel):
+class FinetuneConfig(FinetuneSettings, TrainConfig):
+    """Everything `spectune finetune` takes."""
+
+    model: Path = Field(description="Local HF model folder (the target).")
+
+
+class FinetuneResult(TrainResult):
     adapter: Path
     trainable_parameters: int
     total_parameters: int
-    train_dialogues: int
-    trained_tokens: int
-    steps: int
-    eval_loss_before: float
-    eval_loss_after: float
     adapter_bytes: int
-    peak_memory_bytes: int
-    peak_memory_how: str
-    seconds: float
     four_bit: bool
 
 
@@ -119,8 +117,6 @@ def finetune(config: FinetuneConfig) -> FinetuneResult:
     from transformers import set_seed
     from trl import SFTConfig, SFTTrainer
 
-    from spectune.threads import configure_torch_threads
-
     configure_torch_threads()
     check_model_dir(config.model)
     tokenizer = load_tokenizer(config.model, config.chat_template)
@@ -151,21 +147,13 @@ def finetune(config: FinetuneConfig) -> FinetuneResult:
         f"~{tokens_per_step:,.0f} trained tokens per step"
     )
     adapter = config.out / "adapter"
-    outcome = train_and_save(trainer, tokenizer, config, adapter)
-    peak, how = peak_memory_bytes()
+    outcome = train_and_save(trainer, tokenizer, config, adapter, data)
     result = FinetuneResult(
+        **outcome.model_dump(),
         adapter=adapter,
         trainable_parameters=trainable,
         total_parameters=total,
-        train_dialogues=len(data.train),
-        trained_tokens=data.trained_tokens,
-        steps=outcome.steps,
-        eval_loss_before=outcome.eval_loss_before,
-        eval_loss_after=outcome.eval_loss_after,
         adapter_bytes=folder_bytes(adapter),
-        peak_memory_bytes=peak,
-        peak_memory_how=how,
-        seconds=outcome.seconds,
         four_bit=config.four_bit,
     )
     write_report(config.out / "finetune.json", config, result, data)

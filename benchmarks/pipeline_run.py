@@ -1,0 +1,23 @@
+"""What the result scripts share: a pipeline config from the command line, run (finished stages reused)."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+from spectune.pipeline import RunConfig, load_run_config, run_pipeline
+
+RESULTS = Path(__file__).parent / "results"
+
+
+def run_from_command_line(doc: str | None) -> tuple[RunConfig, dict[str, Any], str]:
+    """(the run config, the run's summary, the result-file suffix) for `SCRIPT CONFIG.yaml --name NAME`."""
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("config", type=Path)
+    parser.add_argument("--name", required=True, help="suffix of the result files")
+    args = parser.parse_args()
+    config = load_run_config(args.config)
+    summary = run_pipeline(config)  # finished stages are reused from the run directory
+    RESULTS.mkdir(exist_ok=True)
+    return config, summary, args.name

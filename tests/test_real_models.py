@@ -1,0 +1,110 @@
+"""Real checkpoints as starting points: a GGUF imported back into an HF folder, and a draft made from its target's
+own layers. Tiny models the tests build stand in for the real ones (CI downloads no model)."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from spectune.errors import SpectuneError
+from spectune.export.gguf import convert, export_model
+from spectune.models.derive import derive_draft
+from spectune.models.imported import import_gguf
+from spectune.models.load import load_tokenizer
+from spectune.runtime.chat import chat_prompt
+from spectune.runtime.llama import LlamaModel
+from spectune.runtime.pair import check_pair
+from spectune.runtime.speculative import SamplingConfig, SpeculativeDecoder
+
+TEXTS = ["Hello, I'd like to book a table for two.", "What time does the pharmacy open on Sunday?"]
+
+
+def logits(folder, text: str) -> np.ndarray:
+    model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
+    ids = load_tokenizer(folder)(text, add_special_tokens=False)["input_ids"]
+    with torch.no_grad():
+        return model(torch.tensor([ids])).logits[0].numpy()
+
+
+@pytest.mark.parametrize("quant", ["F32", "F16"])
+def test_a_gguf_imports_back_to_the_same_model(tuned_target, tmp_path, quant):
+    gguf = convert(tuned_target, tmp_path / f"model.{quant}.gguf", quant)
+    imported = import_gguf(gguf, tmp_path / "imported")
+    original, back = load_tokenizer(tuned_target), load_tokenizer(imported)
+    for text in TEXTS:
+        assert back(text)["input_ids"] == original(text)["input_ids"]
+        tolerance = 1e-4 if quant == "F32" else 0.05
+        assert np.abs(logits(imported, text) - logits(tuned_target, text)).max() < tolerance
+    assert back.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False) == (
+        original.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False)
+    )
+    assert "approximation" in json.loads((imported / "spectune_import.json").read_text())["note"]
+
+
+def test_a_gguf_of_an_unknown_architecture_is_a_clear_error(tmp_path):
+    import gguf
+
+    path = tmp_path / "odd.gguf"
+    writer = gguf.GGUFWriter(str(path), "spectune-odd")
+    writer.add_block_count(1)
+    writer.add_tensor("token_embd.weight", np.zeros((4, 8), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(SpectuneError, match="transformers cannot load this GGUF"):
+        import_gguf(path, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+    with pytest.raises(SpectuneError, match="no such GGUF"):
+        import_gguf(tmp_path / "absent.gguf", tmp_path / "out")
+
+
+def test_a_draft_made_from_the_target_shares_its_layers_and_vocabulary(tuned_target, demo_data, tmp_path):
+    target = AutoModelForCausalLM.from_pretrained(str(tuned_target), dtype=torch.float32)
+    total = target.config.num_hidden_layers
+    draft_dir = derive_draft(tuned_target, [0, -1], tmp_path / "draft")
+    draft = AutoModelForCausalLM.from_pretrained(str(draft_dir), dtype=torch.float32)
+    assert draft.config.num_hidden_layers == 2
+    target_state, draft_state = target.state_dict(), draft.state_dict()
+    assert torch.equal(draft_state["model.embed_tokens.weight"], target_state["model.embed_tokens.weight"])
+    assert torch.equal(draft_state["model.norm.weight"], target_state["model.norm.weight"])
+    for new, old in ((0, 0), (1, total - 1)):
+        name = "mlp.down_proj.weight"
+        assert torch.equal(draft_state[f"model.layers.{new}.{name}"], target_state[f"model.layers.{old}.{name}"])
+    with pytest.raises(SpectuneError, match="distinct indices"):
+        derive_draft(tuned_target, [0, 0], tmp_path / "bad")
+    target_gguf = export_model(tuned_target, tmp_path / "t.gguf", "Q8_0")
+    draft_gguf = export_model(draft_dir, tmp_path / "d.gguf", "Q8_0")
+    check_pair(target_gguf, draft_gguf)  # llama.cpp accepts it: the vocabulary is the target's
+    model = LlamaModel(target_gguf, n_ctx=512, threads=1)
+    ids = model.tokenize(chat_prompt(model, [{"role": "user", "content": TEXTS[0]}]))
+    config = SamplingConfig(max_tokens=16, draft_max=3)
+    plain = SpeculativeDecoder(model).generate(ids, config)
+    speculative = SpeculativeDecoder(model, LlamaModel(draft_gguf, n_ctx=512, threads=1)).generate(ids, config)
+    assert speculative.tokens == plain.tokens
+
+
+def test_per_layer_settings_follow_the_chosen_layers(micro_pair, tmp_path):
+    tokenizer = load_tokenizer(micro_pair / "target")
+    config = AutoConfig.for_model(
+        "gemma3_text",
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=6,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        query_pre_attn_scalar=16,
+    )
+    folder = tmp_path / "gemma"
+    AutoModelForCausalLM.from_config(config).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    derived = derive_draft(folder, [0, 5], tmp_path / "draft")
+    derived_config = AutoConfig.from_pretrained(derived)
+    assert derived_config.num_hidden_layers == 2
+    assert derived_config.layer_types == [config.layer_types[0], config.layer_types[5]]
