@@ -9,6 +9,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 import httpx
@@ -20,7 +21,7 @@ from spectune.errors import SpectuneError
 from spectune.export.gguf import export_model
 from spectune.runtime.chat import chat_tokens
 from spectune.runtime.llama import LlamaModel
-from spectune.runtime.speculative import SpeculativeDecoder
+from spectune.runtime.speculative import Generation, SpeculativeDecoder, Stats
 from spectune.serve.app import ServeConfig, TooLarge, read_body, serve_in_thread
 
 KEY = "sk-hardening"
@@ -162,8 +163,6 @@ def test_shutdown_joins_the_generation_threads(pair, messages, monkeypatch):
     threads = []
 
     def slow(self, prompt, config, on_text=None):
-        import threading
-
         threads.append(threading.current_thread())
 
         def paced(text):
@@ -248,3 +247,49 @@ def test_export_leaves_the_files_beside_its_output_alone(sft_draft, tmp_path, ca
     assert "no such model folder" in capsys.readouterr().err
     with pytest.raises(SpectuneError, match="no such model folder"):
         export_model(tmp_path / "absent", tmp_path / "y.gguf", "Q8_0")
+
+
+def test_a_failed_generation_is_an_error_the_caller_sees_and_metrics_count(server, messages, monkeypatch):
+    def broken(self, prompt, config, on_text=None):
+        raise RuntimeError("the model fell over")
+
+    monkeypatch.setattr(SpeculativeDecoder, "generate", broken)
+    plain = ask(server, {"messages": messages, "max_tokens": 4})
+    assert plain.status_code == 500 and "fell over" in plain.json()["error"]["message"]
+    body = {"messages": messages, "max_tokens": 4, "stream": True}
+    with httpx.stream("POST", f"{server}/v1/chat/completions", json=body, timeout=60) as response:
+        lines = [line for line in response.iter_lines() if line.startswith("data: ")]
+    assert "fell over" in json.loads(lines[-2][6:])["error"]["message"] and lines[-1] == "data: [DONE]"
+    assert 'spectune_requests_total{status="500"} 2.0' in httpx.get(f"{server}/metrics").text
+    assert httpx.get(f"{server}/health").json()["slots_free"] == 1
+
+
+def test_generation_time_and_abandoned_queued_requests_are_bounded(pair, messages, monkeypatch):
+    prompts = []
+
+    def endless(self, prompt, config, on_text=None):  # a generation that never ends by itself
+        prompts.append(prompt)
+        while on_text("words ") is not False:
+            time.sleep(0.05)
+        return Generation([], "words", Stats(prompt_tokens=len(prompt), finish_reason="cancelled"))
+
+    monkeypatch.setattr(SpeculativeDecoder, "generate", endless)
+    target, draft = pair
+    config = ServeConfig(target=target, draft=draft, n_ctx=512, threads=1, slots=1, max_seconds=1.0, queue_timeout=30)
+    instance, thread, url = serve_in_thread(config)
+    try:
+        body = {"messages": messages, "max_tokens": 400, "temperature": 1.0, "seed": 4}
+        busy: list[httpx.Response] = []
+        caller = threading.Thread(target=lambda: busy.append(ask(url, body)))
+        caller.start()
+        while not prompts:  # the only slot is taken for about a second
+            time.sleep(0.01)
+        with pytest.raises(httpx.ReadTimeout):  # a second caller gives up while queued
+            httpx.post(f"{url}/v1/chat/completions", json={"messages": messages, "max_tokens": 4}, timeout=0.3)
+        caller.join(timeout=60)
+        assert busy[0].json()["choices"][0]["finish_reason"] == "length"  # --max-seconds, long before 400 tokens
+        assert ask(url, {"messages": messages, "max_tokens": 2}).status_code == 200
+        assert len(prompts) == 2  # the abandoned request never ran
+    finally:
+        instance.should_exit = True
+        thread.join(timeout=30)
