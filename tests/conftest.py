@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -79,6 +81,37 @@ def sft_draft(micro_pair, tuned_target, demo_data, tmp_path_factory) -> Path:
         **TRAIN,
     )
     return train_draft(config).model
+
+
+@pytest.fixture(scope="session")
+def pair(tuned_target, sft_draft, tmp_path_factory) -> tuple[Path, Path]:
+    """The tuned micro target and its sft draft as Q8_0 GGUFs (what the server tests serve)."""
+    from spectune.export.gguf import export_model
+
+    folder = tmp_path_factory.mktemp("serve")
+    return export_model(tuned_target, folder / "t.gguf", "Q8_0"), export_model(sft_draft, folder / "d.gguf", "Q8_0")
+
+
+@pytest.fixture(scope="session")
+def messages(demo_data) -> list[dict[str, str]]:
+    """A held-out conversation up to an assistant turn."""
+    from spectune.data.prepare import extract_prompts
+    from spectune.data.read import read_dialogues
+
+    return extract_prompts(read_dialogues(demo_data).dialogues, 4, seed=9)[0].messages
+
+
+@contextmanager
+def running(config) -> Iterator[str]:
+    """A spectune server on a free loopback port for the block; its URL."""
+    from spectune.serve.app import serve_in_thread
+
+    instance, thread, url = serve_in_thread(config)
+    try:
+        yield url
+    finally:
+        instance.should_exit = True
+        thread.join(timeout=30)
 
 
 def swap_two_tokens(folder: Path, out: Path) -> Path:

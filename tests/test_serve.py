@@ -7,10 +7,8 @@ import time
 
 import httpx
 import pytest
+from conftest import running
 
-from spectune.data.prepare import extract_prompts
-from spectune.data.read import read_dialogues
-from spectune.export.gguf import export_model
 from spectune.runtime.chat import chat_prompt
 from spectune.runtime.llama import LlamaModel
 from spectune.runtime.speculative import SamplingConfig, SpeculativeDecoder
@@ -20,25 +18,10 @@ KEY = "sk-test-key"
 
 
 @pytest.fixture(scope="module")
-def pair(tuned_target, sft_draft, tmp_path_factory):
-    folder = tmp_path_factory.mktemp("serve")
-    return export_model(tuned_target, folder / "t.gguf", "Q8_0"), export_model(sft_draft, folder / "d.gguf", "Q8_0")
-
-
-@pytest.fixture(scope="module")
 def server(pair):
     target, draft = pair
-    instance, thread, url = serve_in_thread(
-        ServeConfig(target=target, draft=draft, slots=1, n_ctx=512, threads=1, queue_timeout=2.0, draft_max=4)
-    )
-    yield url
-    instance.should_exit = True
-    thread.join(timeout=10)
-
-
-@pytest.fixture(scope="module")
-def messages(demo_data):
-    return extract_prompts(read_dialogues(demo_data).dialogues, 4, seed=9)[0].messages
+    with running(ServeConfig(target=target, draft=draft, n_ctx=512, threads=1, queue_timeout=2.0, draft_max=4)) as url:
+        yield url
 
 
 def engine_answer(pair, messages, max_tokens: int) -> str:

@@ -14,9 +14,8 @@ import time
 
 import httpx
 import pytest
+from conftest import running
 
-from spectune.data.prepare import extract_prompts
-from spectune.data.read import read_dialogues
 from spectune.errors import SpectuneError
 from spectune.export.gguf import export_model
 from spectune.runtime.chat import chat_tokens
@@ -27,26 +26,11 @@ from spectune.serve.app import ServeConfig, TooLarge, read_body, serve_in_thread
 KEY = "sk-hardening"
 
 
-@pytest.fixture(scope="module")
-def pair(tuned_target, sft_draft, tmp_path_factory):
-    folder = tmp_path_factory.mktemp("hardening")
-    return export_model(tuned_target, folder / "t.gguf", "Q8_0"), export_model(sft_draft, folder / "d.gguf", "Q8_0")
-
-
-@pytest.fixture(scope="module")
-def messages(demo_data):
-    return extract_prompts(read_dialogues(demo_data).dialogues, 4, seed=9)[0].messages
-
-
 @pytest.fixture
 def server(pair):
     target, draft = pair
-    instance, thread, url = serve_in_thread(
-        ServeConfig(target=target, draft=draft, slots=1, n_ctx=1024, threads=1, queue_timeout=5.0, draft_max=4)
-    )
-    yield url
-    instance.should_exit = True
-    thread.join(timeout=30)
+    with running(ServeConfig(target=target, draft=draft, n_ctx=1024, threads=1, queue_timeout=5.0, draft_max=4)) as url:
+        yield url
 
 
 def ask(url: str, body: dict, **kwargs) -> httpx.Response:
