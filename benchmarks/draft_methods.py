@@ -12,7 +12,7 @@ import json
 
 from pipeline_run import RESULTS, run_from_command_line
 
-from spectune.train.acceptance import GPU
+from spectune.speedup import GPU_PROFILE
 
 
 def main() -> None:
@@ -29,8 +29,8 @@ def main() -> None:
                 "alpha": row["alpha"],
                 "tau": row["tau_simulated"][str(k)],
                 "best_k": k,
-                "predicted_speedup": row["speedup"][GPU][str(k)],
-                "profile": GPU,
+                "predicted_speedup": row["speedup"][GPU_PROFILE][str(k)],
+                "profile": GPU_PROFILE,
                 "train_seconds": trained.get("seconds", 0.0) + trained.get("teacher_seconds", 0.0),
                 "eval_loss": [trained.get("eval_loss_before"), trained.get("eval_loss_after")],
             }

@@ -322,7 +322,8 @@ def stages(config: RunConfig) -> list[Stage]:
 
 
 def _hash(value: Any) -> str:
-    return hashlib.sha256(json.dumps(value, sort_keys=True, default=str).encode()).hexdigest()[:16]
+    """A stable digest of JSON-like values; settings objects count by their fields."""
+    return hashlib.sha256(json.dumps(value, sort_keys=True, default=_dump).encode()).hexdigest()[:16]
 
 
 def path_hash(path: Path) -> str:
@@ -338,7 +339,7 @@ def path_hash(path: Path) -> str:
 
 
 def _dump(value: Any) -> Any:
-    return value.model_dump(mode="json") if isinstance(value, Settings) else value
+    return value.model_dump(mode="json") if isinstance(value, Settings) else str(value)
 
 
 class Run:
@@ -367,7 +368,7 @@ class Run:
         records = self.manifest["stages"]
         return _hash(
             {
-                "settings": _hash(json.loads(json.dumps(_dump(stage.settings(self.config)), default=_dump))),
+                "settings": stage.settings(self.config),
                 "needs": {name: _hash([records[name]["inputs"], records[name]["outputs"]]) for name in stage.needs},
                 "files": {str(path): path_hash(path) for path in stage.reads(context)},
             }

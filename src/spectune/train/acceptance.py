@@ -27,7 +27,6 @@ from spectune.threads import configure_torch_threads
 from spectune.train.common import greedy_answer
 
 MAX_K = MAX_DRAFT_LEN
-GPU = GPU_PROFILE
 HERE = "here"  # the key of a profile measured on this machine
 
 
@@ -55,7 +54,7 @@ class AcceptanceConfig(AcceptanceSettings):
 class Profile:
     """A hardware profile: c (draft step / target step) and r(n) (n-token batch / one token)."""
 
-    key: str  # GPU or HERE
+    key: str  # GPU_PROFILE or HERE
     name: str
     cost_ratio: float
     verify_ratio: dict[str, float] = field(default_factory=dict)  # empty: r = 1 (memory-bound GPU)
@@ -159,7 +158,7 @@ def measure(
                 tau_formula=tau_formula,
                 speedup=speedups,
                 best_k={profile: max(values, key=values.get) for profile, values in speedups.items()},
-                recommended_k=max(1, max(speedups[GPU], key=speedups[GPU].get)),
+                recommended_k=max(1, max(speedups[GPU_PROFILE], key=speedups[GPU_PROFILE].get)),
                 alpha_sampled=float(torch.cat(overlap).mean()) if overlap else None,
             )
         )
@@ -180,7 +179,7 @@ def load_models(target: Path, drafts: dict[str, Path]) -> tuple[Any, dict[str, A
 def gpu_profile(target: Any, draft: Any) -> Profile:
     """Memory-bound decoding: a step costs what its weights weigh, so c = draft params / target params, r = 1."""
     ratio = sum(p.numel() for p in draft.parameters()) / sum(p.numel() for p in target.parameters())
-    return Profile(GPU, "gpu (memory-bound, predicted)", round(ratio, 4))
+    return Profile(GPU_PROFILE, "gpu (memory-bound, predicted)", round(ratio, 4))
 
 
 def read_profile(path: Path) -> Profile:
