@@ -8,9 +8,11 @@ import shutil
 import pytest
 from conftest import run_cli, swap_two_tokens
 
+from spectune.data.read import read_dialogues
 from spectune.errors import SpectuneError
 from spectune.export.gguf import convert, export_model
-from spectune.export.pair import ExportPairConfig, export_pair, fidelity
+from spectune.export.pair import TOKENIZER_DIALOGUES, ExportPairConfig, export_pair, fidelity
+from spectune.models.tokenizer_check import STRESS_STRINGS
 from spectune.runtime.llama import LlamaModel
 from spectune.runtime.pair import check_pair
 
@@ -24,12 +26,13 @@ def exported(tuned_target, sft_draft, demo_data, tmp_path_factory):
     return export_pair(config), out
 
 
-def test_export_pair_checks_and_reports(exported):
+def test_export_pair_checks_and_reports(exported, demo_data):
     report, out = exported
+    held_out = min(TOKENIZER_DIALOGUES, len(read_dialogues(demo_data).dialogues))
     for role in ("target", "draft"):
         entry = report["models"][role]
         assert entry["bytes"] < entry["f16_bytes"]  # 4 bits is smaller than 16
-        assert entry["tokenizer_strings_checked"] == 2000
+        assert entry["tokenizer_strings_checked"] == STRESS_STRINGS + held_out
         assert entry["fidelity"]["top1_agreement"] > 0.9
         assert entry["fidelity"]["perplexity_gguf"] < 1.2 * entry["fidelity"]["perplexity_hf"]
     assert report["pairs"]["draft"]["target_tokens"] == report["pairs"]["draft"]["draft_tokens"]

@@ -12,7 +12,16 @@ from conftest import run_cli
 from spectune.config import validate
 from spectune.data.read import read_dialogues, write_jsonl
 from spectune.errors import SpectuneError
-from spectune.pipeline import DataSettings, DraftsSettings, RunConfig, load_run_config, run_pipeline, stages
+from spectune.pipeline import (
+    Context,
+    DataSettings,
+    DraftsSettings,
+    RunConfig,
+    load_run_config,
+    path_hash,
+    run_pipeline,
+    stages,
+)
 
 STAGES = ["data", "models", "finetune", "merge", "draft:sft", "acceptance", "export", "bench"]
 
@@ -128,6 +137,22 @@ def test_a_changed_eval_file_reruns_what_reads_it_and_nothing_else(micro_pair, d
     assert reran == {"data", "acceptance", "export", "bench"}
     assert second["acceptance"]["inputs"] != first["acceptance"]["inputs"]
     assert second["finetune"]["inputs"] == first["finetune"]["inputs"]
+
+
+def test_the_users_model_folders_are_read_by_content(tmp_path):
+    target, draft = tmp_path / "target", tmp_path / "draft"
+    config = validate(RunConfig, {"models": {"target": str(target), "draft": str(draft)}}, "test")
+    models = next(stage for stage in stages(config) if stage.name == "models")
+    assert models.reads(Context(config, config.layout, {})) == [target, draft]
+    target.mkdir()
+    (target / "model.safetensors").write_bytes(b"weights")
+    before = path_hash(target)
+    (target / "model.safetensors").write_bytes(b"retrained")  # same name, new weights: the runs after it are stale
+    assert path_hash(target) != before
+    derived = validate(RunConfig, {"models": {"target": str(target), "draft": "target-layers"}}, "test")
+    assert next(s for s in stages(derived) if s.name == "models").reads(Context(derived, derived.layout, {})) == [
+        target
+    ]
 
 
 def test_the_stage_table_declares_what_each_stage_reads():

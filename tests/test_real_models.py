@@ -4,6 +4,7 @@ own layers. Tiny models the tests build stand in for the real ones (CI downloads
 from __future__ import annotations
 
 import json
+import shutil
 
 import numpy as np
 import pytest
@@ -15,6 +16,7 @@ from spectune.export.gguf import convert, export_model
 from spectune.models.derive import derive_draft
 from spectune.models.imported import import_gguf
 from spectune.models.load import load_tokenizer
+from spectune.models.tokenizer_check import check_tokenizer
 from spectune.runtime.chat import chat_prompt
 from spectune.runtime.llama import LlamaModel
 from spectune.runtime.pair import check_pair
@@ -43,6 +45,34 @@ def test_a_gguf_imports_back_to_the_same_model(tuned_target, tmp_path, quant):
         original.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False)
     )
     assert "approximation" in json.loads((imported / "spectune_import.json").read_text())["note"]
+
+
+def digit_splitting_copy(folder, out):
+    """The tiny model with SmolLM2's tokenization: digits split one by one, declared to llama.cpp as `smollm`."""
+    shutil.copytree(folder, out)
+    tokenizer_file, config_file = out / "tokenizer.json", out / "tokenizer_config.json"
+    tokenizer = json.loads(tokenizer_file.read_text())
+    digits = {"type": "Digits", "individual_digits": True}
+    tokenizer["pre_tokenizer"] = {"type": "Sequence", "pretokenizers": [digits, tokenizer["pre_tokenizer"]]}
+    tokenizer_file.write_text(json.dumps(tokenizer))
+    config = json.loads(config_file.read_text())
+    config["spectune_pre_tokenizer"] = "smollm"
+    config_file.write_text(json.dumps(config))
+    return out
+
+
+def test_a_smollm_gguf_imports_with_its_digit_split_and_tokenizes_like_llama_cpp(tuned_target, tmp_path):
+    digit_splitting = digit_splitting_copy(tuned_target, tmp_path / "digits")
+    gguf = convert(digit_splitting, tmp_path / "model.F16.gguf", "F16")
+    # Without the digit split HF disagrees with llama.cpp's smollm pre-tokenizer, and the check names where.
+    with pytest.raises(SpectuneError, match=r"strings unlike HF's tokenizer:\n  .*from token \d+, HF \[") as caught:
+        check_tokenizer(load_tokenizer(tuned_target), gguf, ["call 555 1234 at  10:30"])
+    assert "call 555 1234" in str(caught.value)
+    imported = import_gguf(gguf, tmp_path / "imported")  # checks the identity itself: raises on a mismatch
+    pre_tokenizer = json.loads((imported / "tokenizer.json").read_text())["pre_tokenizer"]
+    assert pre_tokenizer["pretokenizers"][0]["type"] == "Digits"
+    text = "Table for 12 at  7:45, ref 90210"
+    assert load_tokenizer(imported)(text)["input_ids"] == load_tokenizer(digit_splitting)(text)["input_ids"]
 
 
 def test_a_gguf_of_an_unknown_architecture_is_a_clear_error(tmp_path):

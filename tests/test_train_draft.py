@@ -9,19 +9,40 @@ import pytest
 import torch
 from conftest import run_cli, swap_two_tokens
 
+from spectune.data.read import read_dialogues
 from spectune.errors import SpectuneError
+from spectune.export.gguf import export_model
+from spectune.models.load import load_tokenizer
 from spectune.speedup import expected_tokens, speedup
 from spectune.train.acceptance import AcceptanceConfig, run_acceptance, simulate_tau
 from spectune.train.draft import (
+    TEACHER_GGUF,
     DraftConfig,
     DraftResult,
+    conversation_prompts,
     divergence,
     divergence_loss,
+    hf_answerer,
+    llama_answerer,
     sparse_log_probs,
     train_draft,
 )
 
 STEPS = {"batch_size": 8, "max_tokens": 256, "max_eval": 16}
+
+
+def draft_config(micro_pair, tuned_target, demo_data, out, method: str, **options) -> DraftConfig:
+    return DraftConfig(
+        target=tuned_target,
+        draft=micro_pair / "draft",
+        data=demo_data,
+        out=out,
+        method=method,
+        max_steps=20,
+        lr=3e-3,
+        max_new_tokens=24,
+        **{**STEPS, **options},
+    )
 
 
 @pytest.fixture(scope="module")
@@ -34,17 +55,7 @@ def drafts(micro_pair, tuned_target, sft_draft, demo_data, tmp_path_factory):
         stale.mkdir(parents=True)
         (stale / "trainer_state.json").write_text("{}")
         results[name] = train_draft(
-            DraftConfig(
-                target=tuned_target,
-                draft=micro_pair / "draft",
-                data=demo_data,
-                out=out,
-                method=name.split("-")[0],
-                max_steps=20,
-                lr=3e-3,
-                max_new_tokens=24,
-                **{**STEPS, **options},
-            )
+            draft_config(micro_pair, tuned_target, demo_data, out, name.split("-")[0], **options)
         )
         assert not stale.exists()  # a fresh run never resumes into another run's checkpoint
     results["sft"] = DraftResult.model_validate(json.loads((sft_draft.parent / "draft.json").read_text())["result"])
@@ -58,6 +69,13 @@ def test_every_method_trains_and_reports(drafts):
         if name != "onpolicy":  # its eval loss is on freshly sampled answers: too noisy for 20 steps
             assert result.eval_loss_after < result.eval_loss_before, name
     assert drafts["seqkd"].teacher_seconds > 0 and drafts["kd-top64"].teacher_seconds > 0
+
+
+def test_seqkd_reuses_the_targets_answers(drafts, micro_pair, tuned_target, demo_data, tmp_path):
+    again = train_draft(draft_config(micro_pair, tuned_target, demo_data, tmp_path, "seqkd"))
+    assert not (tmp_path / TEACHER_GGUF).exists()  # nothing exported: the answers came from the cache
+    assert again.teacher_seconds < drafts["seqkd"].teacher_seconds
+    assert again.eval_loss_after == pytest.approx(drafts["seqkd"].eval_loss_after, rel=1e-4)
 
 
 def test_cached_teacher_trains_like_the_live_one(drafts):
@@ -92,6 +110,19 @@ def test_sft_beats_generic_on_held_out_prompts(micro_pair, tuned_target, drafts,
         gpu = row["speedup"]["gpu"]
         assert gpu[str(row["recommended_k"])] == max(gpu.values()) or row["recommended_k"] == 1
     assert (tmp_path / "acceptance.json").is_file()
+
+
+def test_seqkd_answers_from_llama_cpp_are_the_targets_greedy_answers(tuned_target, demo_data, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    prompts = conversation_prompts(read_dialogues(demo_data).dialogues[:4])[:8]
+    target = AutoModelForCausalLM.from_pretrained(str(tuned_target), dtype=torch.float32).eval()
+    by_hf = hf_answerer(target, load_tokenizer(tuned_target), 24)
+    by_llama = llama_answerer(export_model(tuned_target, tmp_path / "teacher.Q8_0.gguf", "Q8_0"), 24)
+    answers = [(by_hf(messages), by_llama(messages)) for messages in prompts]
+    assert all(llama for _, llama in answers)
+    # Q8_0 against f32: a near-tie may flip a token, so most answers, not all, must agree to the character.
+    assert sum(hf == llama for hf, llama in answers) >= 6, answers
 
 
 def test_tau_formula_matches_a_simulation():

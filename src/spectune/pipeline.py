@@ -292,6 +292,13 @@ def _eval_file(context: Context) -> list[Path]:
     return [context.layout.eval_file]
 
 
+def _model_folders(context: Context) -> list[Path]:
+    """The user's own model folders, by content: a base retrained in place reruns everything after it. (Fetched and
+    demo models are made by spectune from pinned sources.)"""
+    section = context.config.models
+    return [folder for folder in (section.target, section.draft) if isinstance(folder, Path)]
+
+
 def _data_files(context: Context) -> list[Path]:
     section = context.config.data
     return [path for path in (section.path, section.eval_data) if isinstance(path, Path)]
@@ -302,7 +309,7 @@ def stages(config: RunConfig) -> list[Stage]:
     drafts = tuple(f"draft:{method}" for method in config.drafts.methods)
     return [
         Stage("data", data_stage, lambda c: c.data, reads=_data_files),
-        Stage("models", models_stage, lambda c: c.models),
+        Stage("models", models_stage, lambda c: c.models, reads=_model_folders),
         Stage("finetune", finetune_stage, lambda c: [c.finetune, c.data.seed], ("models",), _train_file),
         Stage("merge", merge_stage, lambda c: None, ("models", "finetune")),
         *(

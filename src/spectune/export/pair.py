@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import math
-import random
 import shlex
 from pathlib import Path
 from typing import Any
@@ -14,69 +13,19 @@ from pydantic import Field
 
 from spectune.atomic import atomic_path
 from spectune.config import Settings
-from spectune.data.demo import generate_dialogues
 from spectune.data.read import read_dialogues
 from spectune.errors import SpectuneError
 from spectune.export.gguf import DEFAULT_QUANT, QUANT_TYPES, check_quant, export_model
 from spectune.export.llama_flags import check_command
 from spectune.layout import CHOSEN_PAIR, CONTROL_DRAFT, EXPORT_REPORT, SERVER_SCRIPT, TARGET, gguf_name
-from spectune.models.corpus import EMOJI, GREETINGS, generate_corpus
 from spectune.models.load import check_model_dir, load_tokenizer
+from spectune.models.tokenizer_check import check_tokenizer
 from spectune.runtime.llama import LlamaModel
 from spectune.runtime.pair import check_pair
 from spectune.speedup import DEFAULT_DRAFT_MAX, GPU_PROFILE
 from spectune.threads import thread_count
 
-
-def tokenizer_strings(n: int, seed: int = 0) -> list[str]:
-    """Strings that stress a tokenizer: prose, code, digits, unicode, emoji, whitespace runs, chat markup."""
-    rng = random.Random(seed)
-    turns = [t["content"] for d in generate_dialogues(100, seed=seed) for t in d.messages]
-    pieces = [
-        *generate_corpus(100, seed=seed),
-        *turns,
-        *GREETINGS,
-        *EMOJI,
-        "  ",
-        "\n\n\n",
-        "\t \t",
-        "   x",
-        "1234567890",
-        "3.14159",
-        "1,000,000",
-        "don't",
-        "I'VE",
-        "ＡＢＣ",
-        "e\u0301",
-        "\u200d",
-        "a  b   c",
-        " leading",
-        "trailing  ",
-        "x\r\ny",
-        "€£¥",
-        "ğüşöç",
-        "<|im_start|>user\n",
-        "<|im_end|>\n",
-    ]
-    separators = ["", " ", "  ", "\n", "\t", "\n\n  "]
-    return [
-        "".join(rng.choice(pieces)[: rng.randint(1, 60)] + rng.choice(separators) for _ in range(rng.randint(1, 6)))
-        for _ in range(n)
-    ]
-
-
-def check_tokenizer(hf_tokenizer: Any, gguf: Path, n: int = 2000) -> int:
-    """llama.cpp must tokenize like HF (special tokens parsed by both); a mismatch is an error."""
-    model = LlamaModel(gguf, n_ctx=64, threads=1)
-    try:
-        for text in tokenizer_strings(n):
-            expected = hf_tokenizer(text, add_special_tokens=False)["input_ids"]
-            got = model.tokenize(text)
-            if expected != got:
-                raise SpectuneError(f"{gguf}: llama.cpp tokenizes {text!r} as {got[:20]}..., HF as {expected[:20]}...")
-    finally:
-        model.close()
-    return n
+TOKENIZER_DIALOGUES = 500  # held-out dialogues the tokenizer identity is checked on, beside the stress strings
 
 
 def fidelity(hf_dir: Path, gguf: Path, texts: list[str], threads: int | None = None) -> dict[str, Any]:
@@ -185,26 +134,27 @@ def server_command(target: Path, draft: Path, k: int, threads: int) -> list[str]
     ]
 
 
-def export_checked(folder: Path, out_file: Path, quant: str, eval_texts: list[str] | None, keep_f16: bool) -> dict:
-    """Export one model, check llama.cpp tokenizes like HF, and (given texts) measure fidelity."""
+def export_checked(folder: Path, out_file: Path, quant: str, texts: list[str], fidelity_n: int, keep_f16: bool) -> dict:
+    """Export one model, check llama.cpp tokenizes like HF (stress strings and `texts`), measure fidelity on the
+    first `fidelity_n` texts."""
     check_model_dir(folder)
     export_model(folder, out_file, quant, keep_f16=keep_f16)
     entry: dict[str, Any] = {
         "gguf": str(out_file),
         "bytes": out_file.stat().st_size,
-        "tokenizer_strings_checked": check_tokenizer(load_tokenizer(folder), out_file),
+        "tokenizer_strings_checked": check_tokenizer(load_tokenizer(folder), out_file, texts),
     }
     f16 = out_file.with_name(out_file.stem + ".f16.gguf")
     if f16.is_file():
         entry["f16_bytes"] = f16.stat().st_size
-    if eval_texts:
-        entry["fidelity"] = fidelity(folder, out_file, eval_texts)
+    if texts[:fidelity_n]:
+        entry["fidelity"] = fidelity(folder, out_file, texts[:fidelity_n])
     return entry
 
 
-def fidelity_texts(model_dir: Path, data: Path | None, n: int) -> list[str]:
+def held_out_texts(model_dir: Path, data: Path | None, n: int) -> list[str]:
     """Held-out dialogues rendered with the model's chat template."""
-    if data is None or n == 0:
+    if data is None:
         return []
     tokenizer = load_tokenizer(model_dir)
     return [tokenizer.apply_chat_template(d.messages, tokenize=False) for d in read_dialogues(data).dialogues[:n]]
@@ -214,16 +164,17 @@ def export_pair(config: ExportPairConfig) -> dict[str, Any]:
     """Export the target and its drafts, check each pair and the tokenizer, report fidelity; write the pair to
     serve (pair.json) and llama.cpp's server command for it (llama-server.sh)."""
     quant = check_quant(config.quant)
-    texts = fidelity_texts(config.target, config.data, config.fidelity_dialogues)
+    texts = held_out_texts(config.target, config.data, max(TOKENIZER_DIALOGUES, config.fidelity_dialogues))
+    fidelity_n = config.fidelity_dialogues
     target_file = config.out / gguf_name(TARGET, quant)
     report: dict[str, Any] = {
         "quant": quant,
-        "models": {TARGET: export_checked(config.target, target_file, quant, texts, config.keep_f16)},
+        "models": {TARGET: export_checked(config.target, target_file, quant, texts, fidelity_n, config.keep_f16)},
         "pairs": {},
     }
     for name, folder in config.drafts.items():
         draft_file = config.out / gguf_name(name, quant)
-        report["models"][name] = export_checked(folder, draft_file, quant, texts, config.keep_f16)
+        report["models"][name] = export_checked(folder, draft_file, quant, texts, fidelity_n, config.keep_f16)
         report["pairs"][name] = check_pair(target_file, draft_file)
     acceptance = json.loads(config.acceptance.read_text()) if config.acceptance else None
     name, k = choose_draft(list(config.drafts), acceptance)

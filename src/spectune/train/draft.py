@@ -19,6 +19,9 @@ Greedy speculative acceptance is 1 − TV(p, q) per token, so `tv` optimises acc
 from __future__ import annotations
 
 import copy
+import dataclasses
+import hashlib
+import json
 import typing
 from collections.abc import Callable
 from pathlib import Path
@@ -28,11 +31,12 @@ from pydantic import Field, model_validator
 from rich.progress import track
 
 from spectune.atomic import atomic_path
+from spectune.cache import cache_root
 from spectune.data.read import Dialogue
 from spectune.errors import SpectuneError
 from spectune.export.gguf import export_model
 from spectune.models.load import check_model_dir, load_tokenizer
-from spectune.runtime.chat import chat_prompt
+from spectune.runtime.chat import chat_tokens
 from spectune.runtime.llama import LlamaModel
 from spectune.runtime.speculative import SamplingConfig, SpeculativeDecoder
 from spectune.threads import configure_torch_threads
@@ -262,17 +266,64 @@ def _load_causal_lm(path: Path) -> Any:
     return AutoModelForCausalLM.from_pretrained(str(path), local_files_only=True, dtype=torch.float32)
 
 
-def target_answers(answer: Callable[[list[dict[str, str]]], str], dialogues: list[Dialogue]) -> list[Dialogue]:
-    """Each assistant turn replaced by the target's greedy answer to the dataset's context before it."""
+def target_answers(
+    answer: Callable[[list[dict[str, str]]], str],
+    dialogues: list[Dialogue],
+    prompt_tokens: Callable[[list[dict[str, str]]], int],
+    max_tokens: int,
+) -> list[Dialogue]:
+    """Each assistant turn replaced by the target's greedy answer to the dataset's context before it. A turn whose
+    rewritten context already holds `max_tokens` tokens is left as it is: training cuts dialogues on turns at
+    `max_tokens`, so it would never be trained on, and answering it would be wasted work."""
     rewritten = []
     for dialogue in track(dialogues, description="the target's answers (seqkd)", transient=True):
-        turns = []
+        turns: list[dict[str, str]] = []
         for index, turn in enumerate(dialogue.messages):
-            if turn["role"] == "assistant":
+            if turn["role"] == "assistant" and prompt_tokens(turns) < max_tokens:
                 turn = {"role": "assistant", "content": answer(dialogue.messages[:index]) or turn["content"]}
             turns.append(turn)
         rewritten.append(Dialogue(turns, dialogue.source, dialogue.line))
     return rewritten
+
+
+def answers_key(config: DraftConfig, split: tuple[list[Dialogue], list[Dialogue]]) -> str:
+    """What the target's answers depend on: the target's files, how they are generated, the dialogues."""
+    target_files = sorted(
+        (path.name, path.stat().st_size, path.stat().st_mtime_ns) for path in config.target.iterdir() if path.is_file()
+    )
+    identity = {
+        "target": [str(config.target.resolve()), target_files],
+        "settings": [config.answers_by, config.max_new_tokens, config.max_tokens],
+        "dialogues": [[d.messages for d in part] for part in split],
+    }
+    return hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:24]
+
+
+def seqkd_split(
+    config: DraftConfig, split: tuple[list[Dialogue], list[Dialogue]], teacher: Any, tokenizer: Any
+) -> tuple[list[Dialogue], list[Dialogue]]:
+    """The train and eval dialogues with the target's answers, cached in the user cache (reruns, other draft
+    shapes and other runs on the same target and dialogues reuse them)."""
+    path = cache_root() / "seqkd-answers" / f"{answers_key(config, split)}.json"
+    if path.is_file():
+        train, held_out = ([Dialogue(**d) for d in part] for part in json.loads(path.read_text()))
+        return train, held_out
+    answer = (
+        llama_answerer(export_model(config.target, config.out / TEACHER_GGUF, "Q8_0"), config.max_new_tokens)
+        if config.answers_by == "llama.cpp"
+        else hf_answerer(teacher, tokenizer, config.max_new_tokens)
+    )
+
+    def prompt_tokens(messages: list[dict[str, str]]) -> int:  # as training renders it (data.render)
+        if not messages:
+            return 0
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return len(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    train, held_out = (target_answers(answer, part, prompt_tokens, config.max_tokens) for part in split)
+    with atomic_path(path) as tmp:
+        tmp.write_text(json.dumps([[dataclasses.asdict(d) for d in part] for part in (train, held_out)]))
+    return train, held_out
 
 
 def hf_answerer(target: Any, tokenizer: Any, max_new_tokens: int) -> Callable[[list[dict[str, str]]], str]:
@@ -285,16 +336,15 @@ def hf_answerer(target: Any, tokenizer: Any, max_new_tokens: int) -> Callable[[l
     return answer
 
 
-def llama_answerer(config: DraftConfig) -> Callable[[list[dict[str, str]]], str]:
-    """The target's greedy answers from a Q8_0 export run by llama.cpp (as a user with a GPU would make them):
+def llama_answerer(gguf: Path, max_new_tokens: int) -> Callable[[list[dict[str, str]]], str]:
+    """The target's greedy answers from its GGUF run by llama.cpp (as a user with a GPU would make them):
     consecutive turns of a dialogue reuse the cached prefix."""
-    gguf = export_model(config.target, config.out / TEACHER_GGUF, "Q8_0")
     model = LlamaModel(gguf, n_ctx=4096, threads=None, exact=False)
     decoder = SpeculativeDecoder(model)
-    sampling = SamplingConfig(max_tokens=config.max_new_tokens)
+    sampling = SamplingConfig(max_tokens=max_new_tokens)
 
     def answer(messages: list[dict[str, str]]) -> str:
-        prompt = model.tokenize(chat_prompt(model, messages))[-(model.n_ctx - config.max_new_tokens - 1) :]
+        prompt = chat_tokens(model, messages)[-(model.n_ctx - max_new_tokens - 1) :]
         return decoder.generate(prompt, sampling).text.strip()
 
     return answer
@@ -318,12 +368,7 @@ def train_draft(config: DraftConfig) -> DraftResult:
     teacher = _load_causal_lm(config.target).eval() if needs_hf_teacher else None
     with Timer() as teacher_time:
         if config.method == "seqkd":  # train and evaluate on what the target itself says
-            answer = (
-                llama_answerer(config)
-                if config.answers_by == "llama.cpp"
-                else hf_answerer(teacher, tokenizer, config.max_new_tokens)
-            )
-            split = tuple(target_answers(answer, part) for part in split)
+            split = seqkd_split(config, split, teacher, tokenizer)
     data = load_task_data(tokenizer, config, split)
     model = _load_causal_lm(config.draft)
     if config.method == "onpolicy":
