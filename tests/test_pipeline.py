@@ -13,9 +13,12 @@ from spectune.config import validate
 from spectune.data.read import read_dialogues, write_jsonl
 from spectune.errors import SpectuneError
 from spectune.pipeline import (
+    DRAFT_FIELDS,
+    TARGET_FIELDS,
     Context,
     DataSettings,
     DraftsSettings,
+    ModelsSettings,
     RunConfig,
     load_run_config,
     path_hash,
@@ -23,7 +26,7 @@ from spectune.pipeline import (
     stages,
 )
 
-STAGES = ["data", "models", "finetune", "merge", "draft:sft", "acceptance", "export", "bench"]
+STAGES = ["data", "target", "finetune", "merge", "base-draft", "draft:sft", "acceptance", "export", "bench"]
 
 
 def micro_config(run_dir, models_dir) -> RunConfig:
@@ -142,17 +145,28 @@ def test_a_changed_eval_file_reruns_what_reads_it_and_nothing_else(micro_pair, d
 def test_the_users_model_folders_are_read_by_content(tmp_path):
     target, draft = tmp_path / "target", tmp_path / "draft"
     config = validate(RunConfig, {"models": {"target": str(target), "draft": str(draft)}}, "test")
-    models = next(stage for stage in stages(config) if stage.name == "models")
-    assert models.reads(Context(config, config.layout, {})) == [target, draft]
+    table = {stage.name: stage for stage in stages(config)}
+    context = Context(config, config.layout, {})
+    assert table["target"].reads(context) == [target] and table["base-draft"].reads(context) == [draft]
     target.mkdir()
     (target / "model.safetensors").write_bytes(b"weights")
     before = path_hash(target)
     (target / "model.safetensors").write_bytes(b"retrained")  # same name, new weights: the runs after it are stale
     assert path_hash(target) != before
     derived = validate(RunConfig, {"models": {"target": str(target), "draft": "target-layers"}}, "test")
-    assert next(s for s in stages(derived) if s.name == "models").reads(Context(derived, derived.layout, {})) == [
-        target
-    ]
+    base_draft = next(stage for stage in stages(derived) if stage.name == "base-draft")
+    assert base_draft.reads(Context(derived, derived.layout, {})) == []
+
+
+def test_a_new_draft_shape_reruns_the_drafts_not_the_fine_tune():
+    assert set(ModelsSettings.model_fields) == TARGET_FIELDS | DRAFT_FIELDS  # every field is hashed by one stage
+    config = validate(RunConfig, {"models": {"fetch": "smollm2-135m-instruct", "draft": "target-layers"}}, "test")
+    reshaped = config.model_copy(update={"models": config.models.model_copy(update={"draft_layers": [0, 1, 2]})})
+    table = {stage.name: stage for stage in stages(config)}
+    assert table["target"].settings(config) == table["target"].settings(reshaped)
+    assert table["base-draft"].settings(config) != table["base-draft"].settings(reshaped)
+    assert table["finetune"].needs == ("target",) and table["merge"].needs == ("target", "finetune")
+    assert "base-draft" in table["draft:sft"].needs
 
 
 def test_the_stage_table_declares_what_each_stage_reads():
@@ -160,16 +174,17 @@ def test_the_stage_table_declares_what_each_stage_reads():
     table = {stage.name: stage for stage in stages(config)}
     assert list(table) == [
         "data",
-        "models",
+        "target",
         "finetune",
         "merge",
+        "base-draft",
         "draft:sft",
         "draft:seqkd",
         "acceptance",
         "export",
         "bench",
     ]
-    assert table["acceptance"].needs == ("models", "merge", "draft:sft", "draft:seqkd")
+    assert table["acceptance"].needs == ("target", "merge", "base-draft", "draft:sft", "draft:seqkd")
     assert "acceptance" in table["export"].needs and "acceptance" in table["bench"].needs
     seqkd, sft = table["draft:seqkd"].settings(config), table["draft:sft"].settings(config)
     assert seqkd == sft  # no overrides: the same settings

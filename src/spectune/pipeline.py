@@ -1,6 +1,6 @@
 """`spectune run CONFIG.yaml`: the pipeline as a table of stages, the run directory and its manifest.
 
-data -> models -> finetune (QLoRA) -> merge -> draft:<method>... -> acceptance -> export -> bench -> report.
+data -> target -> finetune (QLoRA) -> merge -> base-draft -> draft:<method>... -> acceptance -> export -> bench.
 Each stage is a function of the run's context that calls the same entry function its CLI verb does, and declares
 the settings it reads, the stages whose outputs it uses and the files it reads. The runner hashes all three and
 skips a stage only when none changed since it last finished, so a crashed run resumes at the first unfinished stage
@@ -64,7 +64,10 @@ class ModelsSettings(Settings):
     draft: Path | Literal["target-layers"] | None = Field(
         None, description="the draft: a local HF folder, or target-layers (made from the target's own layers)."
     )
-    draft_layers: list[int] = Field([0, -1], description="target-layers: which of the target's layers the draft keeps.")
+    draft_layers: list[int] = Field(
+        [0, 1],  # on SmolLM2 the first two beat layers 0 and 29 and four layers (benchmarks/draft_shapes.py)
+        description="target-layers: which of the target's layers the draft keeps.",
+    )
     models_dir: Path | None = Field(None, description="Where demo pairs are built (default: the user cache).")
 
     @model_validator(mode="after")
@@ -100,6 +103,12 @@ class DraftsSettings(DraftSettings):
     def for_method(self, method: str) -> dict[str, Any]:
         """The draft settings of one method, its overrides applied."""
         return {**self.model_dump(include=set(DraftSettings.model_fields)), **self.overrides.get(method, {})}
+
+
+# What the target stage and the base-draft stage each read of `models:`, so a new draft shape reruns the drafts,
+# not the fine-tune.
+TARGET_FIELDS = {"size", "fetch", "target", "models_dir"}
+DRAFT_FIELDS = {"draft", "draft_layers"}
 
 
 class RunConfig(Settings):
@@ -151,7 +160,7 @@ class Context:
     def drafts(self) -> dict[str, Path]:
         """Every draft's HF folder by name: the untrained control first, then each method's."""
         trained = {m: Path(self.outputs[f"draft:{m}"]["model"]) for m in self.config.drafts.methods}
-        return {CONTROL_DRAFT: Path(self.outputs["models"]["draft"]), **trained}
+        return {CONTROL_DRAFT: Path(self.outputs["base-draft"]["draft"]), **trained}
 
     @property
     def merged(self) -> Path:
@@ -188,21 +197,29 @@ def data_stage(context: Context) -> dict[str, Any]:
     }
 
 
-def models_stage(context: Context) -> dict[str, Any]:
+def target_stage(context: Context) -> dict[str, Any]:
+    """The base target: fetched, the user's folder, or a demo pair built (with its draft and measured profile)."""
     section = context.config.models
-    if section.fetch is not None or section.target is not None:
-        target = fetch(section.fetch) if section.fetch is not None else section.target
-        draft = section.draft
-        if draft == "target-layers":
-            draft = derive_draft(target, section.draft_layers, context.layout.derived_draft)
-        return {"target": str(target), "draft": str(draft), "profile": None}
+    if section.fetch is not None:
+        return {"target": str(fetch(section.fetch))}
+    if section.target is not None:
+        return {"target": str(section.target)}
     folder = build_pair(section.size, section.models_dir)
     return {
         "target": str(folder / "target"),
-        "draft": str(folder / "draft"),
+        "pair_draft": str(folder / "draft"),
         "profile": profile_pair(folder),
         "manifest": str(folder / "manifest.json"),
     }
+
+
+def base_draft_stage(context: Context) -> dict[str, Any]:
+    """The draft the methods start from (and the untrained control): the user's, made from the target's layers,
+    or the demo pair's."""
+    section, target = context.config.models, context.outputs["target"]
+    if section.draft == "target-layers":
+        return {"draft": str(derive_draft(Path(target["target"]), section.draft_layers, context.layout.derived_draft))}
+    return {"draft": str(section.draft or target["pair_draft"])}
 
 
 def train_inputs(context: Context, out: Path) -> dict[str, Any]:
@@ -219,7 +236,7 @@ def train_inputs(context: Context, out: Path) -> dict[str, Any]:
 
 def finetune_stage(context: Context) -> dict[str, Any]:
     config = FinetuneConfig(
-        model=context.outputs["models"]["target"],
+        model=context.outputs["target"]["target"],
         **train_inputs(context, context.layout.target_dir),
         **context.config.finetune.model_dump(),
     )
@@ -227,14 +244,14 @@ def finetune_stage(context: Context) -> dict[str, Any]:
 
 
 def merge_stage(context: Context) -> dict[str, Any]:
-    base, adapter = Path(context.outputs["models"]["target"]), Path(context.outputs["finetune"]["adapter"])
+    base, adapter = Path(context.outputs["target"]["target"]), Path(context.outputs["finetune"]["adapter"])
     return merge(base, adapter, context.layout.merged_target).model_dump(mode="json")
 
 
 def draft_stage(context: Context, method: str) -> dict[str, Any]:
     config = DraftConfig(
         target=context.merged,
-        draft=context.outputs["models"]["draft"],
+        draft=context.outputs["base-draft"]["draft"],
         method=method,
         **train_inputs(context, context.layout.draft_dir(method)),
         **context.config.drafts.for_method(method),
@@ -243,7 +260,7 @@ def draft_stage(context: Context, method: str) -> dict[str, Any]:
 
 
 def acceptance_stage(context: Context) -> dict[str, Any]:
-    manifest = context.outputs["models"].get("manifest")
+    manifest = context.outputs["target"].get("manifest")
     config = AcceptanceConfig(
         target=context.merged,
         drafts=context.drafts(),
@@ -292,11 +309,15 @@ def _eval_file(context: Context) -> list[Path]:
     return [context.layout.eval_file]
 
 
-def _model_folders(context: Context) -> list[Path]:
-    """The user's own model folders, by content: a base retrained in place reruns everything after it. (Fetched and
+def _target_folder(context: Context) -> list[Path]:
+    """The user's own target folder, by content: a base retrained in place reruns everything after it. (Fetched and
     demo models are made by spectune from pinned sources.)"""
-    section = context.config.models
-    return [folder for folder in (section.target, section.draft) if isinstance(folder, Path)]
+    return [context.config.models.target] if context.config.models.target is not None else []
+
+
+def _draft_folder(context: Context) -> list[Path]:
+    draft = context.config.models.draft
+    return [draft] if isinstance(draft, Path) else []
 
 
 def _data_files(context: Context) -> list[Path]:
@@ -307,23 +328,31 @@ def _data_files(context: Context) -> list[Path]:
 def stages(config: RunConfig) -> list[Stage]:
     """The pipeline: each stage with the settings it reads, the stages it needs and the files it reads."""
     drafts = tuple(f"draft:{method}" for method in config.drafts.methods)
+    bases = ("merge", "base-draft")  # the tuned target and the untrained control draft
     return [
         Stage("data", data_stage, lambda c: c.data, reads=_data_files),
-        Stage("models", models_stage, lambda c: c.models, reads=_model_folders),
-        Stage("finetune", finetune_stage, lambda c: [c.finetune, c.data.seed], ("models",), _train_file),
-        Stage("merge", merge_stage, lambda c: None, ("models", "finetune")),
+        Stage("target", target_stage, lambda c: c.models.model_dump(include=TARGET_FIELDS), reads=_target_folder),
+        Stage("finetune", finetune_stage, lambda c: [c.finetune, c.data.seed], ("target",), _train_file),
+        Stage("merge", merge_stage, lambda c: None, ("target", "finetune")),
+        Stage(
+            "base-draft",
+            base_draft_stage,
+            lambda c: c.models.model_dump(include=DRAFT_FIELDS),
+            ("target",),
+            _draft_folder,
+        ),
         *(
             Stage(
                 f"draft:{method}",
                 functools.partial(draft_stage, method=method),
                 lambda c, method=method: [c.drafts.for_method(method), c.data.seed],
-                ("models", "merge"),
+                ("base-draft", "merge"),
                 _train_file,
             )
             for method in config.drafts.methods
         ),
-        Stage("acceptance", acceptance_stage, lambda c: c.acceptance, ("models", "merge", *drafts), _eval_file),
-        Stage("export", export_stage, lambda c: [c.export, c.threads], ("merge", *drafts, "acceptance"), _eval_file),
+        Stage("acceptance", acceptance_stage, lambda c: c.acceptance, ("target", *bases, *drafts), _eval_file),
+        Stage("export", export_stage, lambda c: [c.export, c.threads], (*bases, *drafts, "acceptance"), _eval_file),
         Stage("bench", bench_stage, lambda c: [c.bench, thread_count(c.threads)], ("export", "acceptance"), _eval_file),
     ]
 
