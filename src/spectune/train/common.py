@@ -246,12 +246,24 @@ def write_report(path: Path, config: BaseModel, result: BaseModel, data: TaskDat
         tmp.write_text(json.dumps(report, indent=2, default=str))
 
 
+def model_identity(folder: Path) -> list[Any]:
+    """What a cache made from a model folder depends on: its path and each file's name, size and modification time
+    (a model retrained in place is another model)."""
+    files = sorted(path for path in folder.iterdir() if path.is_file())
+    return [str(folder.resolve()), [[path.name, path.stat().st_size, path.stat().st_mtime_ns] for path in files]]
+
+
+def prompt_ids(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
+    """The token ids of the chat `messages` and the assistant's generation prompt, as training renders them."""
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
 def greedy_answer(model: Any, tokenizer: Any, messages: list[dict[str, str]], max_new_tokens: int) -> tuple[list, list]:
     """(prompt ids, the model's greedy answer ids up to and with its end token) after the chat `messages`."""
     import torch
 
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    ids = prompt_ids(tokenizer, messages)
     tensor = torch.tensor([ids])
     with torch.no_grad():
         out = model.generate(

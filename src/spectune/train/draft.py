@@ -49,6 +49,8 @@ from spectune.train.common import (
     folder_bytes,
     greedy_answer,
     load_task_data,
+    model_identity,
+    prompt_ids,
     read_split,
     train_and_save,
     trainer_settings,
@@ -179,7 +181,7 @@ def cached_teacher(config: DraftConfig, teacher: Any, trainer: Any) -> dict[byte
     import torch
 
     path = config.out / f"teacher_top{config.teacher_top_k}.pt"
-    settings = {"target": str(config.target.resolve()), "temperature": config.temperature}
+    settings = {"target": model_identity(config.target), "temperature": config.temperature}
     if path.is_file():
         saved = torch.load(path, weights_only=True)
         if saved["settings"] == settings:
@@ -288,11 +290,8 @@ def target_answers(
 
 def answers_key(config: DraftConfig, split: tuple[list[Dialogue], list[Dialogue]]) -> str:
     """What the target's answers depend on: the target's files, how they are generated, the dialogues."""
-    target_files = sorted(
-        (path.name, path.stat().st_size, path.stat().st_mtime_ns) for path in config.target.iterdir() if path.is_file()
-    )
     identity = {
-        "target": [str(config.target.resolve()), target_files],
+        "target": model_identity(config.target),
         "settings": [config.answers_by, config.max_new_tokens, config.max_tokens],
         "dialogues": [[d.messages for d in part] for part in split],
     }
@@ -314,11 +313,8 @@ def seqkd_split(
         else hf_answerer(teacher, tokenizer, config.max_new_tokens)
     )
 
-    def prompt_tokens(messages: list[dict[str, str]]) -> int:  # as training renders it (data.render)
-        if not messages:
-            return 0
-        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        return len(tokenizer(text, add_special_tokens=False)["input_ids"])
+    def prompt_tokens(messages: list[dict[str, str]]) -> int:
+        return len(prompt_ids(tokenizer, messages)) if messages else 0
 
     train, held_out = (target_answers(answer, part, prompt_tokens, config.max_tokens) for part in split)
     with atomic_path(path) as tmp:
