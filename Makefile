@@ -4,11 +4,18 @@ PY := $(VENV)/bin/python
 PIP_FLAGS ?=
 # llama-cpp-python compiles llama.cpp from source: use both cores.
 export CMAKE_BUILD_PARALLEL_LEVEL ?= 2
+# Without llamafile's tinyBLAS, batched logits equal one-token logits, so speculative answers are the target's own
+# (README "Identical answers"). LLAMAFILE=ON trades that promise for faster CPU prefill and verification.
+LLAMAFILE ?= OFF
+LLAMA_CPP_PIN := $(shell grep -o 'llama-cpp-python==[0-9.]*' pyproject.toml)
 
 .PHONY: demo test lint install clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
+	# Built first, from source, past pip's wheel cache: a cached wheel may carry other cmake flags.
+	CMAKE_ARGS="-DGGML_LLAMAFILE=$(LLAMAFILE) $(CMAKE_ARGS)" $(PY) -m pip install $(PIP_FLAGS) --no-cache-dir \
+		--force-reinstall --no-deps '$(LLAMA_CPP_PIN)'
 	$(PY) -m pip install $(PIP_FLAGS) -e '.[dev]'
 	touch $@
 

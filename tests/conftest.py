@@ -126,3 +126,22 @@ def swap_two_tokens(folder: Path, out: Path) -> Path:
     vocab[first], vocab[second] = vocab[second], vocab[first]
     (out / "tokenizer.json").write_text(json.dumps(tokenizer))
     return out
+
+
+def random_model(tokenizer, folder: Path, model_type: str, seed: int = 0, **shape) -> Path:
+    """A tiny random model of `model_type` carrying `tokenizer`, saved with it in `folder`."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model(
+        model_type,
+        vocab_size=len(tokenizer),
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        **shape,
+    )
+    torch.manual_seed(seed)
+    AutoModelForCausalLM.from_config(config).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder

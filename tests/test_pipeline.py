@@ -4,6 +4,7 @@ an interrupted run resumes, and a broken config is refused with all its errors."
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import yaml
@@ -26,6 +27,8 @@ from spectune.pipeline import (
     stages,
 )
 
+DATA = Path(__file__).parent / "data"
+CONFIGS = Path(__file__).parent.parent / "configs"
 STAGES = ["data", "target", "finetune", "merge", "base-draft", "draft:sft", "acceptance", "export", "bench"]
 
 
@@ -192,3 +195,25 @@ def test_the_stage_table_declares_what_each_stage_reads():
         update={"drafts": DraftsSettings(methods=["sft", "seqkd"], overrides={"seqkd": {"max_train": 5}})}
     )
     assert table["draft:seqkd"].settings(with_override) != table["draft:sft"].settings(with_override)
+
+
+def test_the_12b_config_a_user_copies_parses_resolves_and_plans(tmp_path, capsys):
+    """configs/gemma-12b.yaml with its paths pointed at folders holding the 12B's and 1B's shapes: every stage's
+    settings resolve and the memory plan is the 12B's (nothing runs)."""
+    for name, shape in (("gemma-3-12b-it", "gemma3-12b-config.json"), ("gemma-3-1b-it", "gemma3-1b-config.json")):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text((DATA / shape).read_text())
+    (tmp_path / "transcripts.jsonl").write_text((DATA / "sgd_dev_sample.jsonl").read_text())
+    text = (CONFIGS / "gemma-12b.yaml").read_text()
+    for path in ("/models/", "/data/calls/"):
+        text = text.replace(path, f"{tmp_path}/")
+    (tmp_path / "run.yaml").write_text(text.replace("runs/gemma-12b", str(tmp_path / "run")))
+    capsys.readouterr()
+    assert run_cli("run", str(tmp_path / "run.yaml"), "--dry-run") == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert list(plan["stages"]) == [stage.name for stage in stages(load_run_config(tmp_path / "run.yaml"))]
+    assert {"draft:sft", "draft:kd"} <= plan["stages"].keys()
+    assert plan["stages"]["finetune"]["settings"][0]["lora_r"] == 16
+    assert 11.7e9 < plan["memory_plan"]["estimate"]["params"] < 11.8e9
+    assert plan["memory_plan"]["fits"]["QLoRA training, gradient checkpointing"]
+    assert not (tmp_path / "run").exists()  # a dry run writes nothing

@@ -40,6 +40,8 @@ def test_openai_client_non_stream_and_stream_match_the_engine(server, pair, mess
     reply = client.chat.completions.create(model="spectune", messages=messages, max_tokens=24, temperature=0)
     assert reply.choices[0].message.content == expected
     assert reply.usage.completion_tokens > 0
+    # Which build and setting made the answer: the install's, exact, so identical to the target alone.
+    assert reply.system_fingerprint == "llama-cpp-python 0.3.36, llamafile off; exact on; identical to the target alone"
     pieces, parts = [], []
     stream = client.chat.completions.create(
         model="spectune", messages=messages, max_tokens=24, stream=True, stream_options={"include_usage": True}
@@ -49,6 +51,7 @@ def test_openai_client_non_stream_and_stream_match_the_engine(server, pair, mess
             pieces.append(part.choices[0].delta.content)
         parts.append(part)
     assert "".join(pieces) == expected
+    assert {part.system_fingerprint for part in parts} == {reply.system_fingerprint}
     assert parts[-2].choices[0].finish_reason in ("stop", "length")
     assert parts[-1].choices == [] and parts[-1].usage.completion_tokens == reply.usage.completion_tokens
     assert [m.id for m in client.models.list().data] == ["spectune"]

@@ -9,7 +9,7 @@ import torch
 from conftest import run_cli
 
 from spectune.errors import SpectuneError
-from spectune.train.plan import GIB, estimate, largest_fit, parse_memory, plan_report, read_shape
+from spectune.train.plan import GIB, cost_ratio, estimate, largest_fit, parse_memory, plan_report, read_shape
 from spectune.train.target import FinetuneConfig, finetune, load_base, merge
 
 FAST = {"max_steps": 12, "lr": 3e-3, "batch_size": 4, "max_tokens": 256, "max_eval": 24, "lora_r": 8}
@@ -148,6 +148,18 @@ def test_planner_reproduces_the_reference_facts():
     assert numbers["nf4_weights"] < 0.4 * numbers["f16_weights"]
     assert 125e6 < numbers["adapter_bytes_bf16"] < 137e6  # the reference adapter: 131 MB
     assert report["fits"]["Q4_K_M inference"]
+
+
+def test_planner_gives_the_reference_pair_s_cost_ratio(tmp_path):
+    # Gemma 3 1B drafting for 12B: c near 0.1, the regime the reference story's 1.7x lives in.
+    assert 0.08 < cost_ratio(read_shape(GEMMA), read_shape("tests/data/gemma3-1b-config.json")) < 0.09
+    assert (
+        run_cli(
+            "plan", "--model", GEMMA, "--draft", "tests/data/gemma3-1b-config.json", "--json", str(tmp_path / "p.json")
+        )
+        == 0
+    )
+    assert json.loads((tmp_path / "p.json").read_text())["draft"]["cost_ratio"] < 0.09
 
 
 def test_planner_rules():

@@ -19,7 +19,8 @@ build)
   python3 -m venv --system-site-packages "$venv"  # torch and numpy come from the machine
   "$venv/bin/pip" install -q --no-index --find-links "$payload/wheels" \
     scikit-build-core packaging pathspec diskcache jinja2 markupsafe typing-extensions rich
-  export CMAKE_ARGS="${CMAKE_ARGS:--DGGML_CUDA=on -DCMAKE_CUDA_ARCHITECTURES=${CUDA_ARCH:-90}} -DLLAMA_BUILD_EXAMPLES=ON"
+  # llamafile off as in `make install`: layers left on the CPU then batch like they decode (README "Identical answers").
+  export CMAKE_ARGS="${CMAKE_ARGS:--DGGML_CUDA=on -DCMAKE_CUDA_ARCHITECTURES=${CUDA_ARCH:-90}} -DLLAMA_BUILD_EXAMPLES=ON -DGGML_LLAMAFILE=OFF"
   export CMAKE_BUILD_PARALLEL_LEVEL=$(nproc)
   time "$venv/bin/pip" install --no-index --no-build-isolation --no-deps \
     --config-settings=build-dir="$payload/build" "$payload"/llama_cpp_python-*.tar.gz 2>&1 | tail -5

@@ -15,6 +15,7 @@ from rich.table import Table
 
 from spectune import __version__
 from spectune.bench.peer import build_llama_cpp as build_peer
+from spectune.bench.peer import build_llama_libs as build_libs
 from spectune.bench.run import BenchConfig
 from spectune.bench.run import bench as run_bench
 from spectune.config import validate
@@ -34,15 +35,18 @@ from spectune.models.imported import fetch as fetch_real_model
 from spectune.models.load import load_tokenizer
 from spectune.models.world import RECIPES, build_pair, pair_dir, read_manifest
 from spectune.pipeline import RunConfig, load_run_config, run_pipeline
+from spectune.pipeline import dry_run as plan_run
+from spectune.runtime.build import build_features, build_name, identity_verdict
 from spectune.runtime.chat import chat_prompt
 from spectune.runtime.llama import LlamaModel
 from spectune.runtime.speculative import SamplingConfig, SpeculativeDecoder
 from spectune.serve.app import ServeConfig, create_app
 from spectune.serve.client import run_call
 from spectune.speedup import DEFAULT_DRAFT_MAX
+from spectune.threads import thread_count
 from spectune.train.acceptance import AcceptanceConfig, run_acceptance
 from spectune.train.draft import DraftConfig, train_draft
-from spectune.train.plan import GIB, parse_memory, plan_report, read_shape
+from spectune.train.plan import GIB, cost_ratio, parse_memory, plan_report, read_shape
 from spectune.train.target import FinetuneConfig
 from spectune.train.target import finetune as run_finetune
 from spectune.train.target import merge as run_merge
@@ -430,13 +434,57 @@ def build_llama_cpp(
     console.print(f"built {build_peer(tuple(cmake_arg or ()), variant, jobs)}")
 
 
+@tools_app.command("build-llama-libs")
+def build_llama_libs(
+    llamafile: Annotated[bool, typer.Option("--llamafile/--no-llamafile", help="Compile llamafile's tinyBLAS in.")],
+    jobs: Annotated[int | None, typer.Option(help="Parallel compile jobs (default: all cores).")] = None,
+) -> None:
+    """Build libllama from the pinned sources as a second build (LLAMA_CPP_LIB_PATH=...; benchmarks/identity.py)."""
+    console.print(f"built {build_libs(llamafile, jobs)}")
+
+
+@app.command()
+def doctor(
+    ggufs: Annotated[
+        list[Path] | None,
+        typer.Argument(help="Target GGUF files to check (the draft only proposes: its types do not matter)."),
+    ] = None,
+    exact: Annotated[bool, typer.Option(help="Check for the exact setting (the bench and server default).")] = True,
+) -> None:
+    """Say which llama.cpp build this install runs and whether it gives identical answers with these targets.
+
+    Exits 1 when a GGUF cannot be promised identical answers, so a script can stop before relying on it."""
+    features = [name if value == "1" else f"{name}={value}" for name, value in build_features().items() if value != "0"]
+    console.print(f"{build_name()}; threads {thread_count()}; compiled in: {', '.join(features)}")
+    refused = 0
+    for gguf in ggufs or []:
+        if not gguf.is_file():
+            raise SpectuneError(f"{gguf}: no such GGUF file")
+        verdict = identity_verdict(gguf, exact)
+        types = ", ".join(f"{count} {name}" for name, count in verdict["matrix_types"].items())
+        console.print(f"{gguf}: weight matrices {types}")
+        if verdict["guaranteed"]:
+            console.print("  [green]identical answers: guaranteed[/] (batched logits equal one-token logits)")
+        for reason in verdict["reasons"]:
+            console.print(f"  [red]identical answers not guaranteed[/]: {reason}")
+        refused += not verdict["guaranteed"]
+    if refused:
+        raise typer.Exit(1)
+
+
 @app.command("run")
 def run_command(
     config: Annotated[Path, typer.Argument(help="Run config (YAML); see configs/ for examples.")],
     from_stage: Annotated[str | None, typer.Option("--from", help="Rerun from this stage on.")] = None,
     only: Annotated[str | None, typer.Option(help="Rerun only this stage.")] = None,
+    dry_run: Annotated[
+        bool, typer.Option("--dry-run", help="Check the config and paths, print each stage's settings; run nothing.")
+    ] = False,
 ) -> None:
     """The whole pipeline: data -> QLoRA target -> merge -> drafts -> acceptance -> export -> bench -> report."""
+    if dry_run:
+        typer.echo(json.dumps(plan_run(load_run_config(config)), indent=2))
+        return
     summary = run_pipeline(load_run_config(config), from_stage, only)
     console.print(summary["line"], markup=False)
 
@@ -529,11 +577,17 @@ def plan(
     rank: Annotated[int, typer.Option(help="LoRA rank.")] = 16,
     context: Annotated[int, typer.Option(help="Inference context (KV cache) in tokens.")] = 8192,
     json_out: Annotated[Path | None, typer.Option("--json", help="Also write the plan as JSON.")] = None,
+    draft: Annotated[
+        Path | None, typer.Option(help="The draft's folder or config.json: prints its cost ratio c.")
+    ] = None,
 ) -> None:
     """Estimate what QLoRA training and 4-bit inference need, and what fits in --gpu-mem."""
 
     shape = read_shape(model)
     report = plan_report(shape, parse_memory(gpu_mem), seq=seq, batch=batch, rank=rank, context=context)
+    if draft is not None:
+        draft_shape = read_shape(draft)
+        report["draft"] = {"params": draft_shape.params, "cost_ratio": cost_ratio(shape, draft_shape)}
     numbers = report["estimate"]
     table = Table(title=f"{model}: {numbers['params'] / 1e9:.2f}B parameters; seq {seq} x batch {batch}, rank {rank}")
     table.add_column("what")
@@ -562,6 +616,12 @@ def plan(
         f"longest QLoRA sequence at batch {batch}: {longest['checkpointing']} tokens with gradient "
         f"checkpointing, {longest['no_checkpointing']} without"
     )
+    if "draft" in report:
+        params, c = report["draft"]["params"], report["draft"]["cost_ratio"]
+        console.print(
+            f"draft {draft}: {params / 1e9:.2f}B parameters, c = {c:.3f} "
+            "(draft step / target step on a memory-bound GPU, by the weights each reads per token)"
+        )
     if json_out:
         json_out.write_text(json.dumps(report, indent=2))
 

@@ -41,6 +41,7 @@ from spectune.models.world import build_pair
 from spectune.threads import configure_torch_threads, thread_count
 from spectune.train.acceptance import AcceptanceConfig, AcceptanceSettings, run_acceptance
 from spectune.train.draft import DraftConfig, DraftSettings, Method, method_problems, train_draft
+from spectune.train.plan import parse_memory, plan_report, read_shape
 from spectune.train.target import FinetuneConfig, FinetuneSettings, finetune, merge
 
 console = Console()
@@ -462,6 +463,37 @@ def run_pipeline(config: RunConfig, force_from: str | None = None, only: str | N
     run.save()
     write_run_report(run, summary)
     return summary
+
+
+DRY_RUN_CONTEXT = 8192  # the planner's KV cache default
+
+
+def _resolved(settings: Any) -> Any:
+    return json.loads(json.dumps(settings, default=_dump))
+
+
+def dry_run(config: RunConfig) -> dict[str, Any]:
+    """What a run would do, nothing executed: each stage's resolved settings and the stages it needs, and for a
+    local target folder the memory plan at the fine-tune's sequence, batch and rank (16 GiB, the reference card)."""
+    plan = None
+    if config.models.target is not None:
+        section = config.finetune
+        plan = plan_report(
+            read_shape(config.models.target),
+            parse_memory("16GiB"),
+            seq=section.max_tokens,
+            batch=section.batch_size,
+            rank=section.lora_r,
+            context=DRY_RUN_CONTEXT,
+        )
+    return {
+        "run_dir": str(config.run_dir),
+        "stages": {
+            stage.name: {"needs": list(stage.needs), "settings": _resolved(stage.settings(config))}
+            for stage in stages(config)
+        },
+        "memory_plan": plan,
+    }
 
 
 def summarize(accepted: dict[str, Any], benched: dict[str, Any], layout: RunLayout) -> dict[str, Any]:

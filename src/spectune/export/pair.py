@@ -19,7 +19,7 @@ from spectune.export.gguf import DEFAULT_QUANT, QUANT_TYPES, check_quant, export
 from spectune.export.llama_flags import check_command
 from spectune.layout import CHOSEN_PAIR, CONTROL_DRAFT, EXPORT_REPORT, SERVER_SCRIPT, TARGET, gguf_name
 from spectune.models.load import check_model_dir, load_tokenizer
-from spectune.models.tokenizer_check import check_tokenizer
+from spectune.models.tokenizer_check import check_template, check_tokenizer
 from spectune.runtime.llama import LlamaModel
 from spectune.runtime.pair import check_pair
 from spectune.speedup import DEFAULT_DRAFT_MAX, GPU_PROFILE
@@ -134,15 +134,20 @@ def server_command(target: Path, draft: Path, k: int, threads: int) -> list[str]
     ]
 
 
-def export_checked(folder: Path, out_file: Path, quant: str, texts: list[str], fidelity_n: int, keep_f16: bool) -> dict:
-    """Export one model, check llama.cpp tokenizes like HF (stress strings and `texts`), measure fidelity on the
-    first `fidelity_n` texts."""
+def export_checked(
+    folder: Path, out_file: Path, quant: str, conversations: list[list[dict[str, str]]], fidelity_n: int, keep_f16: bool
+) -> dict:
+    """Export one model, check llama.cpp tokenizes like HF (stress strings and the held-out `conversations`) and
+    that the GGUF's chat template renders their prompts as HF's does, measure fidelity on the first `fidelity_n`."""
     check_model_dir(folder)
     export_model(folder, out_file, quant, keep_f16=keep_f16)
+    tokenizer = load_tokenizer(folder)
+    texts = [tokenizer.apply_chat_template(messages, tokenize=False) for messages in conversations]
     entry: dict[str, Any] = {
         "gguf": str(out_file),
         "bytes": out_file.stat().st_size,
-        "tokenizer_strings_checked": check_tokenizer(load_tokenizer(folder), out_file, texts),
+        "tokenizer_strings_checked": check_tokenizer(tokenizer, out_file, texts),
+        "template_prompts_checked": check_template(tokenizer, out_file, conversations),
     }
     f16 = out_file.with_name(out_file.stem + ".f16.gguf")
     if f16.is_file():
@@ -152,29 +157,28 @@ def export_checked(folder: Path, out_file: Path, quant: str, texts: list[str], f
     return entry
 
 
-def held_out_texts(model_dir: Path, data: Path | None, n: int) -> list[str]:
-    """Held-out dialogues rendered with the model's chat template."""
-    if data is None:
-        return []
-    tokenizer = load_tokenizer(model_dir)
-    return [tokenizer.apply_chat_template(d.messages, tokenize=False) for d in read_dialogues(data).dialogues[:n]]
+def held_out(data: Path | None, n: int) -> list[list[dict[str, str]]]:
+    """The first `n` held-out dialogues' messages."""
+    return [] if data is None else [d.messages for d in read_dialogues(data).dialogues[:n]]
 
 
 def export_pair(config: ExportPairConfig) -> dict[str, Any]:
     """Export the target and its drafts, check each pair and the tokenizer, report fidelity; write the pair to
     serve (pair.json) and llama.cpp's server command for it (llama-server.sh)."""
     quant = check_quant(config.quant)
-    texts = held_out_texts(config.target, config.data, max(TOKENIZER_DIALOGUES, config.fidelity_dialogues))
+    conversations = held_out(config.data, max(TOKENIZER_DIALOGUES, config.fidelity_dialogues))
     fidelity_n = config.fidelity_dialogues
     target_file = config.out / gguf_name(TARGET, quant)
     report: dict[str, Any] = {
         "quant": quant,
-        "models": {TARGET: export_checked(config.target, target_file, quant, texts, fidelity_n, config.keep_f16)},
+        "models": {
+            TARGET: export_checked(config.target, target_file, quant, conversations, fidelity_n, config.keep_f16)
+        },
         "pairs": {},
     }
     for name, folder in config.drafts.items():
         draft_file = config.out / gguf_name(name, quant)
-        report["models"][name] = export_checked(folder, draft_file, quant, texts, fidelity_n, config.keep_f16)
+        report["models"][name] = export_checked(folder, draft_file, quant, conversations, fidelity_n, config.keep_f16)
         report["pairs"][name] = check_pair(target_file, draft_file)
     acceptance = json.loads(config.acceptance.read_text()) if config.acceptance else None
     name, k = choose_draft(list(config.drafts), acceptance)

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from spectune.atomic import atomic_path
 from spectune.errors import SpectuneError
-from spectune.models.load import check_model_dir, load_tokenizer
+from spectune.models.load import check_model_dir, load_tokenizer, save_tokenizer
 
 
 def derive_draft(target_dir: Path, layers: list[int], out: Path) -> Path:
@@ -45,5 +45,5 @@ def derive_draft(target_dir: Path, layers: list[int], out: Path) -> Path:
     draft.load_state_dict(state)
     with atomic_path(out) as tmp:
         draft.save_pretrained(str(tmp))
-        load_tokenizer(target_dir).save_pretrained(str(tmp))
+        save_tokenizer(load_tokenizer(target_dir), tmp)
     return out

@@ -19,8 +19,9 @@ from rich.console import Console
 
 from spectune.atomic import atomic_path
 from spectune.cache import cache_root
+from spectune.data.demo import generate_dialogues
 from spectune.errors import SpectuneError
-from spectune.models.tokenizer_check import check_tokenizer
+from spectune.models.tokenizer_check import check_template, check_tokenizer
 
 console = Console()
 APPROXIMATION = (
@@ -29,6 +30,9 @@ APPROXIMATION = (
 )
 
 DIGIT_SPLITTING_PRE_TOKENIZERS = {"smollm"}  # llama.cpp pre-tokenizer types (tokenizer.ggml.pre)
+TEMPLATE_DIALOGUES = 50
+TEMPLATES = Path(__file__).parent / "templates"
+SYSTEM_TURN = {"role": "system", "content": "You are a phone assistant. Answer briefly."}
 
 
 @dataclass(frozen=True)
@@ -55,6 +59,51 @@ def gguf_string(gguf: Path, key: str) -> str | None:
 
     field = GGUFReader(gguf).fields.get(key)
     return bytes(field.parts[field.data[0]]).decode() if field is not None else None
+
+
+def write_sentencepiece_model(gguf: Path, out: Path) -> bool:
+    """llama.cpp's converter reads a Gemma vocabulary only from sentencepiece's tokenizer.model, which a GGUF does
+    not carry: rebuild it from the GGUF's tokens, scores and types (all the converter reads), for an SPM vocabulary
+    ("llama" in GGUF terms). False for other vocabularies, which the converter takes from tokenizer.json."""
+    from gguf import GGUFReader
+    from sentencepiece import sentencepiece_model_pb2 as spm
+
+    fields = GGUFReader(gguf).fields
+    if fields["tokenizer.ggml.model"].contents() != "llama":
+        return False
+    tokens, scores, kinds = (fields[f"tokenizer.ggml.{key}"].contents() for key in ("tokens", "scores", "token_type"))
+    model = spm.ModelProto()
+    model.trainer_spec.model_type = spm.TrainerSpec.BPE
+    model.trainer_spec.byte_fallback = True
+    model.normalizer_spec.name = "identity"
+    model.normalizer_spec.add_dummy_prefix = False
+    # GGUF token types number sentencepiece's piece types alike (1 normal, 2 unknown, 3 control, ..., 6 byte).
+    for token, score, kind in zip(tokens, scores, kinds, strict=True):
+        model.pieces.add(piece=token, score=score, type=kind)
+    ids = {"unk": next((i for i, kind in enumerate(kinds) if kind == 2), -1)}
+    for name, key in (("bos", "bos_token_id"), ("eos", "eos_token_id"), ("pad", "padding_token_id")):
+        ids[name] = int(fields[f"tokenizer.ggml.{key}"].contents()) if f"tokenizer.ggml.{key}" in fields else -1
+    for name, index in ids.items():  # sentencepiece finds its special tokens by their pieces
+        setattr(model.trainer_spec, f"{name}_id", index)
+        setattr(model.trainer_spec, f"{name}_piece", tokens[index] if index >= 0 else "")
+    out.write_bytes(model.SerializeToString())
+    return True
+
+
+def set_chat_template(tokenizer: Any, gguf: Path) -> str:
+    """Give the tokenizer the GGUF's chat template (transformers drops it for SPM vocabularies, found on Gemma 3),
+    or Gemma's turn format for a Gemma GGUF that has none (base checkpoints); returns where it came from."""
+    template = gguf_string(gguf, "tokenizer.chat_template")
+    if template is not None:
+        tokenizer.chat_template = template
+        return "the GGUF's"
+    if (gguf_string(gguf, "general.architecture") or "").startswith("gemma"):
+        tokenizer.chat_template = (TEMPLATES / "gemma.jinja").read_text()
+        tokenizer.eos_token = "<end_of_turn>"  # an answer ends with its turn: training, HF generate and export agree
+        return "Gemma's turn format (the GGUF has none)"
+    if tokenizer.chat_template is None:
+        raise SpectuneError(f"{gguf}: the GGUF has no chat template; spectune cannot chat with this model")
+    return "transformers'"
 
 
 def restore_pre_tokenizer(tokenizer: Any, gguf: Path) -> None:
@@ -84,7 +133,11 @@ def import_gguf(gguf: Path, out: Path) -> Path:
     except (ValueError, KeyError, OSError) as exc:
         raise SpectuneError(f"{gguf}: transformers cannot load this GGUF: {exc}") from exc
     restore_pre_tokenizer(tokenizer, gguf)
+    template_source = set_chat_template(tokenizer, gguf)
     checked = check_tokenizer(tokenizer, gguf)  # HF must tokenize as llama.cpp will at serve time
+    # ... and render prompts as the runtime will from the GGUF's template (a system turn included).
+    conversations = [[SYSTEM_TURN, *d.messages] for d in generate_dialogues(TEMPLATE_DIALOGUES)]
+    prompts_checked = check_template(tokenizer, gguf, conversations) if template_source == "the GGUF's" else 0
     config = loaded.config
     quant = getattr(config, "quantization_config", None)
     if quant is not None:  # save_pretrained refuses a model that claims to be quantized; its weights are not
@@ -94,10 +147,13 @@ def import_gguf(gguf: Path, out: Path) -> Path:
     with atomic_path(out) as tmp:
         model.save_pretrained(str(tmp))
         tokenizer.save_pretrained(str(tmp))
+        write_sentencepiece_model(gguf, tmp / "tokenizer.model")
         note = {
             "source": str(gguf),
             "note": APPROXIMATION.format(quant=_gguf_type(gguf)),
             "tokenizer_strings_checked": checked,
+            "chat_template": template_source,
+            "template_prompts_checked": prompts_checked,
         }
         (tmp / "spectune_import.json").write_text(json.dumps(note, indent=2))
     console.print(f"[yellow]{out}: {note['note']}[/]")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -36,3 +37,12 @@ def load_tokenizer(path: str | Path, chat_template: str | Path | None = None) ->
             raise SpectuneError(f"{template_path}: no such chat template file")
         tokenizer.chat_template = template_path.read_text(encoding="utf-8")
     return tokenizer
+
+
+def save_tokenizer(tokenizer: Any, out: Path) -> None:
+    """save_pretrained, plus the sentencepiece model the tokenizer was loaded with: a fast tokenizer does not write
+    it back, and llama.cpp's converter reads some vocabularies (Gemma's) only from it."""
+    tokenizer.save_pretrained(str(out))
+    source = Path(tokenizer.name_or_path) / "tokenizer.model"
+    if source.is_file() and not (out / "tokenizer.model").exists():
+        shutil.copy2(source, out / "tokenizer.model")

@@ -71,6 +71,7 @@ class LlamaModel:
         self.n_vocab = llama_cpp.llama_vocab_n_tokens(self.vocab)
         self.bos = llama_cpp.llama_vocab_bos(self.vocab)
         self.eos = llama_cpp.llama_vocab_eos(self.vocab)
+        self.adds_bos = bool(llama_cpp.llama_vocab_get_add_bos(self.vocab))  # what llama.cpp's tools do to a prompt
         self.threads = thread_count(threads)
         context_params = llama_cpp.llama_context_default_params()
         context_params.n_ctx = n_ctx
@@ -127,8 +128,11 @@ class LlamaModel:
     def is_end(self, token: int) -> bool:
         return bool(self.lib.llama_vocab_is_eog(self.vocab, token))
 
-    def decode(self, tokens: list[int], start: int, all_logits: bool = True) -> np.ndarray:
-        """Decode `tokens` at positions start.. and return logits (rows: every token, or only the last)."""
+    def decode(self, tokens: list[int], start: int, all_logits: bool = True, copy: bool = True) -> np.ndarray:
+        """Decode `tokens` at positions start.. and return logits (rows: every token, or only the last).
+
+        copy=False returns a view of llama.cpp's logits buffer where one batch holds them all: valid only until
+        this model's next decode, for a caller that reads it at once (at 262k entries a row is 1 MB)."""
         if start + len(tokens) > self.n_ctx:
             raise SpectuneError(f"context full: {start + len(tokens)} tokens > n_ctx {self.n_ctx}")
         if start > len(self.cached):
@@ -150,13 +154,14 @@ class LlamaModel:
             status = self.lib.llama_decode(self.ctx, batch)
             if status != 0:
                 raise SpectuneError(f"llama_decode failed (status {status}) at position {start + offset}")
-            if all_logits:  # the outputs of this batch, contiguous in the order asked
-                pointer = self.lib.llama_get_logits(self.ctx)
-                rows.append(np.ctypeslib.as_array(pointer, shape=(len(chunk), self.n_vocab)).copy())
-            elif last_chunk:
-                pointer = self.lib.llama_get_logits_ith(self.ctx, len(chunk) - 1)
-                rows.append(np.ctypeslib.as_array(pointer, shape=(1, self.n_vocab)).copy())
-        return np.concatenate(rows)
+            if all_logits or last_chunk:  # all_logits: this batch's outputs, contiguous in the order asked
+                if all_logits:
+                    pointer = self.lib.llama_get_logits(self.ctx)
+                else:
+                    pointer = self.lib.llama_get_logits_ith(self.ctx, len(chunk) - 1)
+                view = np.ctypeslib.as_array(pointer, shape=(len(chunk) if all_logits else 1, self.n_vocab))
+                rows.append(view.copy() if copy or not last_chunk else view)  # the next batch overwrites it
+        return rows[0] if len(rows) == 1 else np.concatenate(rows)
 
     def truncate(self, length: int) -> None:
         """Forget every cached position >= `length` (roll back rejected draft tokens)."""

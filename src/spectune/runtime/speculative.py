@@ -128,7 +128,7 @@ class Drafter:
     ) -> tuple[list[int], list[np.ndarray]]:
         """Up to k tokens; stops early at an end token or below `p_min` confidence."""
         common = self.model.reusable_prefix(sequence[:-1])  # always decode at least the last token
-        logits = self.model.decode(sequence[common:], common, all_logits=False)[-1]
+        logits = self.model.decode(sequence[common:], common, all_logits=False, copy=False)[-1]
         drafts: list[int] = []
         draft_probs: list[np.ndarray] = []
         while True:
@@ -140,7 +140,7 @@ class Drafter:
                 draft_probs.append(probs)
             if len(drafts) == k or self.is_end(token):  # nothing after an end token is ever used
                 return drafts, draft_probs
-            logits = self.model.decode([token], len(self.model.cached), all_logits=False)[-1]
+            logits = self.model.decode([token], len(self.model.cached), all_logits=False, copy=False)[-1]
 
 
 @dataclass
@@ -160,7 +160,7 @@ def speculative_step(
     drafts, draft_probs = drafter.propose(sequence, k, sampler, p_min) if drafter and k > 0 else ([], [])
     drafted = time.perf_counter()
     position = len(sequence) - 1
-    rows = target.decode([sequence[-1], *drafts], position, all_logits=True)
+    rows = target.decode([sequence[-1], *drafts], position, all_logits=True, copy=False)  # read before any decode
     accepted, own = sampler.verify(rows, drafts, draft_probs)
     target.truncate(position + 1 + accepted)  # keep the last token and the accepted drafts
     return Step(drafts, accepted, [*drafts[:accepted], own], drafted - start, time.perf_counter() - drafted)

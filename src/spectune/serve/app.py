@@ -32,6 +32,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from spectune.config import Settings
 from spectune.errors import SpectuneError
 from spectune.layout import RunLayout
+from spectune.runtime.build import identity_verdict
 from spectune.runtime.chat import chat_tokens
 from spectune.runtime.llama import LlamaModel
 from spectune.runtime.speculative import Generation, SamplingConfig, SpeculativeDecoder, Stats
@@ -189,6 +190,10 @@ class Server:
         for _ in range(config.slots):
             self.slots.put_nowait(Slot(config))
         self.jobs: set[Job] = set()
+        # OpenAI's field for "which backend configuration produced this answer": the build and the setting.
+        verdict = identity_verdict(config.target, config.exact)
+        identity = "identical to the target alone" if verdict["guaranteed"] else "identity not guaranteed"
+        self.fingerprint = f"{verdict['build']}; exact {'on' if config.exact else 'off'}; {identity}"
 
     def shutdown(self) -> None:
         """Stop every generation and wait for its thread: no thread may be inside llama.cpp when models are freed."""
@@ -296,6 +301,7 @@ class Server:
             "object": "chat.completion",
             "created": int(time.time()),
             "model": self.config.model_name,
+            "system_fingerprint": self.fingerprint,
             "choices": [
                 {
                     "index": 0,
@@ -351,6 +357,7 @@ class Server:
             "object": "chat.completion.chunk",
             "created": int(time.time()),
             "model": self.config.model_name,
+            "system_fingerprint": self.fingerprint,
             "choices": [{"index": 0, "delta": delta, "finish_reason": reason}],
         }
 

@@ -22,6 +22,7 @@ from spectune.data.prepare import split_dialogues
 from spectune.data.read import Dialogue, read_dialogues
 from spectune.data.render import RenderStats, render_all
 from spectune.errors import SpectuneError
+from spectune.models.load import save_tokenizer
 
 console = Console()
 
@@ -221,7 +222,7 @@ def train_and_save(trainer: Any, tokenizer: Any, config: TrainConfig, save_to: P
         after = trainer.evaluate()["eval_loss"]
     with atomic_path(save_to) as tmp:
         trainer.model.save_pretrained(str(tmp))
-        tokenizer.save_pretrained(str(tmp))
+        save_tokenizer(tokenizer, tmp)
     peak, how = peak_memory_bytes()
     return TrainResult(
         eval_loss_before=before,

@@ -74,6 +74,12 @@ class Shape:
         return 2 * values
 
 
+def cost_ratio(target: Shape, draft: Shape) -> float:
+    """c on a memory-bound GPU: one draft step over one target step, as the weights each streams per token (the
+    same 4-bit type for both, so their parameter counts; the tied head is read whole, the embedding lookup is not)."""
+    return draft.params / target.params
+
+
 def read_shape(path: str | Path) -> Shape:
     """A model folder or a config.json (nested `text_config` for multimodal Gemma 3 is followed)."""
     path = Path(path)

@@ -12,7 +12,7 @@ from pydantic import BaseModel, Field
 
 from spectune.atomic import atomic_path
 from spectune.errors import SpectuneError
-from spectune.models.load import check_model_dir, load_tokenizer
+from spectune.models.load import check_model_dir, load_tokenizer, save_tokenizer
 from spectune.threads import configure_torch_threads
 from spectune.train.common import (
     TrainConfig,
@@ -201,5 +201,5 @@ def merge(base: Path, adapter: Path, out: Path, tolerance: float = 1e-3) -> Merg
         raise SpectuneError(f"merged logits differ from base + adapter by {diff:.2e} (> {tolerance:.0e})")
     with atomic_path(out) as tmp:
         merged.save_pretrained(str(tmp))
-        tokenizer.save_pretrained(str(tmp))
+        save_tokenizer(tokenizer, tmp)
     return MergeResult(model=out, max_logit_diff=diff, checked_tokens=int(probe.numel()))
