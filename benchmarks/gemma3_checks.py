@@ -13,7 +13,7 @@ import json
 import time
 from pathlib import Path
 
-from pipeline_run import RESULTS
+from pipeline_run import write_result
 
 from spectune.data.read import read_dialogues
 from spectune.export.pair import fidelity
@@ -65,7 +65,7 @@ def main() -> None:
         "export_fidelity": fidelity(folder, args.export, rendered[: args.fidelity_dialogues]),
     }
     print(json.dumps(report, indent=2))
-    (RESULTS / "gemma3_checks_sgd.json").write_text(json.dumps(report, indent=2))
+    write_result("gemma3_checks_sgd.json", report)
 
 
 if __name__ == "__main__":

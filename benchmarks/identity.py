@@ -21,7 +21,7 @@ import sys
 import time
 from pathlib import Path
 
-from pipeline_run import RESULTS
+from pipeline_run import RESULTS, write_result
 
 from spectune.data.prepare import extract_prompts
 from spectune.data.read import read_dialogues
@@ -140,7 +140,7 @@ def main() -> None:
         "results": table,
     }
     print(markdown(report))
-    (RESULTS / f"identity_{args.name}.json").write_text(json.dumps(report, indent=2))
+    write_result(f"identity_{args.name}.json", report)
     (RESULTS / f"identity_{args.name}.md").write_text(markdown(report))
 
 

@@ -3,12 +3,18 @@
 from __future__ import annotations
 
 import argparse
+import json
 from pathlib import Path
 from typing import Any
 
 from spectune.pipeline import RunConfig, load_run_config, run_pipeline
 
 RESULTS = Path(__file__).parent / "results"
+
+
+def write_result(name: str, report: dict[str, Any]) -> None:
+    """results/NAME as JSON, the user's home written as ~ (committed files name no one's machine)."""
+    (RESULTS / name).write_text(json.dumps(report, indent=2).replace(str(Path.home()), "~"))
 
 
 def run_from_command_line(doc: str | None) -> tuple[RunConfig, dict[str, Any], str]:

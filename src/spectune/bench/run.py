@@ -23,7 +23,7 @@ from spectune.config import Settings
 from spectune.data.prepare import read_prompts
 from spectune.errors import SpectuneError
 from spectune.layout import TARGET
-from spectune.runtime.build import build_name, identity_verdict
+from spectune.runtime.build import identity_verdict
 from spectune.runtime.chat import chat_prompt
 from spectune.runtime.llama import LlamaModel
 from spectune.runtime.profile import measure_profile
@@ -150,7 +150,7 @@ def bench(config: BenchConfig) -> dict[str, Any]:
             "threads": target.threads,
             "greedy": True,
             "peer": "llama.cpp llama-speculative-simple" if config.peer else None,
-            "build": build_name(),
+            "build": verdict["build"],
         },
         # Said beside the identical counts: can this build promise them for this target? (The draft only proposes.)
         "identity": verdict,

@@ -14,6 +14,7 @@ by measurement (see README "Identical answers"):
 
 from __future__ import annotations
 
+import functools
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -23,6 +24,7 @@ LLAMAFILE_TYPES = frozenset({"F32", "F16", "BF16", "Q8_0", "Q4_0", "Q5_0", "IQ4_
 GPU_BACKENDS = frozenset({"CUDA", "Metal", "Vulkan", "ROCm", "HIP", "SYCL"})
 
 
+@functools.cache  # the library a process loaded does not change under it
 def build_features() -> dict[str, str]:
     """llama.cpp's compile-time features as it reports them (e.g. {"AVX2": "1", "LLAMAFILE": "1"})."""
     import llama_cpp
