@@ -80,6 +80,9 @@ def test_pipeline_runs_skips_and_resumes(micro_pair, tmp_path, monkeypatch):
     assert "identical answers" in summary["line"] and "predicted on a GPU" in summary["line"]
     assert summary["bench"]["sft"]["identical"] == 2
     assert (tmp_path / "run" / "report.md").is_file()
+    chosen = json.loads((tmp_path / "run" / "gguf" / "pair.json").read_text())
+    assert Path(chosen["target_hf"]) == tmp_path / "run" / "target" / "merged"  # what vLLM and SGLang are handed
+    assert (Path(chosen["draft_hf"]) / "config.json").is_file() and chosen["draft_name"] in chosen["draft_hf"]
 
     monkeypatch.setattr(stages_module, "train_draft", must_not_run)
     before = {name: stage["seconds"] for name, stage in manifest["stages"].items()}

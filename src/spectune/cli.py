@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
 from pathlib import Path
 from typing import Annotated
@@ -14,8 +15,6 @@ from rich.console import Console
 from rich.table import Table
 
 from spectune import __version__
-from spectune.bench.peer import build_llama_cpp as build_peer
-from spectune.bench.peer import build_llama_libs as build_libs
 from spectune.bench.run import BenchConfig
 from spectune.bench.run import bench as run_bench
 from spectune.config import validate
@@ -23,6 +22,9 @@ from spectune.data.demo import generate_dialogues
 from spectune.data.prepare import dataset_stats, extract_prompts, save_split, split_dialogues, write_prompts
 from spectune.data.read import read_dialogues, write_jsonl
 from spectune.data.render import render
+from spectune.engines.handoff import HandoffConfig, hand_off
+from spectune.engines.llama_cpp import build_llama_cpp as build_tools
+from spectune.engines.llama_cpp import build_llama_libs as build_libs
 from spectune.errors import SpectuneError
 from spectune.export.gguf import DEFAULT_QUANT, QUANT_TYPES, export_model
 from spectune.export.pair import ExportPairConfig
@@ -42,6 +44,7 @@ from spectune.runtime.llama import LlamaModel
 from spectune.runtime.speculative import SamplingConfig, SpeculativeDecoder
 from spectune.serve.app import ServeConfig, create_app
 from spectune.serve.client import run_call
+from spectune.serve.engine import serve_llama_cpp
 from spectune.speedup import DEFAULT_DRAFT_MAX
 from spectune.threads import thread_count
 from spectune.train.acceptance import AcceptanceConfig, run_acceptance
@@ -63,7 +66,7 @@ models_app = typer.Typer(
     help="Real models from GGUF files, and the demo world: offline tokenizer and generic pairs.", no_args_is_help=True
 )
 app.add_typer(models_app, name="models")
-tools_app = typer.Typer(help="Build the external tools benchmarks compare against.", no_args_is_help=True)
+tools_app = typer.Typer(help="Build llama.cpp's own tools: the bench's peer, the server engine.", no_args_is_help=True)
 app.add_typer(tools_app, name="tools")
 
 DataFile = Annotated[
@@ -337,12 +340,30 @@ def acceptance(config: AcceptanceConfig) -> None:
 
 @app.command()
 def export(
-    model: Annotated[Path, typer.Option(help="HF model folder (a merged target, or a draft).")],
-    out: Annotated[Path, typer.Option(help="The .gguf file to write.")],
+    run_dir: Annotated[
+        Path | None, typer.Argument(help="With --for vllm|sglang: a finished run folder, whose chosen pair is handed.")
+    ] = None,
+    engine: Annotated[
+        str, typer.Option("--for", help="gguf: one HF folder to GGUF (--model, --out); vllm | sglang: a run's pair.")
+    ] = "gguf",
+    model: Annotated[Path | None, typer.Option(help="HF model folder (a merged target, or a draft).")] = None,
+    out: Annotated[
+        Path | None, typer.Option(help="The .gguf file, or the hand-off folder (default RUN/handoff/ENGINE).")
+    ] = None,
     quant: Annotated[str, typer.Option(help=f"GGUF type: {', '.join(QUANT_TYPES)}.")] = DEFAULT_QUANT,
     keep_f16: Annotated[bool, typer.Option(help="Keep the F16 GGUF the quantization started from.")] = False,
 ) -> None:
-    """HF -> GGUF with llama.cpp's own converter, then quantize with libllama (atomic)."""
+    """HF -> GGUF with llama.cpp's own converter, then quantize with libllama (atomic); or, with --for vllm|sglang,
+    a run's merged target and chosen draft as HF folders with that engine's command for them."""
+    if engine != "gguf":
+        if run_dir is None:
+            raise SpectuneError(f"--for {engine}: give the run folder, e.g. spectune export --for {engine} runs/NAME")
+        report = hand_off(validate(HandoffConfig, {"run": run_dir, "engine": engine, "out": out}, "command line"))
+        console.print(f"{report['engine']}: draft {report['draft_name']}, k = {report['k']}; serve with", markup=False)
+        typer.echo(report["command"])
+        return
+    if model is None or out is None:
+        raise SpectuneError("--for gguf: give --model HF_FOLDER and --out FILE.gguf")
     path = export_model(model, out, quant, keep_f16=keep_f16)
     console.print(f"{path} ({path.stat().st_size / 1e6:.1f} MB, {quant})")
 
@@ -430,8 +451,9 @@ def build_llama_cpp(
     variant: Annotated[str, typer.Option(help="Name of this build (cpu, cuda, ...): each is cached apart.")] = "cpu",
     jobs: Annotated[int | None, typer.Option(help="Parallel compile jobs (default: all cores).")] = None,
 ) -> None:
-    """Build llama.cpp's llama-speculative-simple from the pinned sources (for `bench --peer llama.cpp`)."""
-    console.print(f"built {build_peer(tuple(cmake_arg or ()), variant, jobs)}")
+    """Build llama.cpp's llama-speculative-simple (`bench --peer`) and llama-server (`serve --engine llama.cpp`)
+    from the pinned sources."""
+    console.print(f"built {build_tools(tuple(cmake_arg or ()), variant, jobs)}")
 
 
 @tools_app.command("build-llama-libs")
@@ -546,13 +568,19 @@ def demo(
 
 @config_command(app, ServeConfig)
 def serve(config: ServeConfig) -> None:
-    """OpenAI-compatible streaming chat server (/v1/chat/completions, /v1/models, /health, /metrics)."""
+    """OpenAI-compatible streaming chat server (/v1/chat/completions, /v1/models, /health, /metrics): spectune's
+    own, or llama.cpp's llama-server on the same pair (--engine llama.cpp)."""
     if config.api_key is None and os.environ.get("SPECTUNE_API_KEY"):
         config.api_key = os.environ["SPECTUNE_API_KEY"]
     if config.api_key is None and config.host not in ("127.0.0.1", "localhost", "::1"):
         console.print(
             f"[yellow]warning: serving on {config.host} with no --api-key: anyone who reaches it can use it[/]"
         )
+    if config.engine == "llama.cpp":
+        code = serve_llama_cpp(config, typer.echo)
+        if code not in (0, -signal.SIGTERM):
+            raise SpectuneError(f"llama-server exited with {code}")
+        return
     uvicorn.run(create_app(config), host=config.host, port=config.port, log_level="info")
 
 

@@ -49,7 +49,7 @@ class RunLayout:
         return self.gguf_dir / gguf_name(name, self.quant)
 
     def read_chosen_pair(self) -> dict[str, Any]:
-        """{"target", "draft", "draft_name", "k"} of a finished run."""
+        """{"target", "draft", "draft_name", "k", "target_hf", "draft_hf"} of a finished run: GGUFs and HF folders."""
         if not self.chosen_pair.is_file():
             raise SpectuneError(f"{self.root}: no {self.chosen_pair.name}; is this a finished `spectune run` folder?")
         return json.loads(self.chosen_pair.read_text())

@@ -18,9 +18,10 @@ from pydantic import Field, field_validator
 from rich.console import Console
 
 from spectune.atomic import atomic_path
-from spectune.bench.peer import PeerRun, run_peer, tool_path
+from spectune.bench.peer import PeerRun, run_peer
 from spectune.config import Settings
 from spectune.data.prepare import read_prompts
+from spectune.engines.llama_cpp import SPECULATIVE_TOOL, built_tool
 from spectune.errors import SpectuneError
 from spectune.layout import TARGET
 from spectune.runtime.build import identity_verdict
@@ -238,9 +239,7 @@ def peer_runner(config: BenchConfig, target: LlamaModel) -> Callable[[str, str],
     adds the BOS token itself where the model asks for one: the template's own BOS text is taken off (a doubled BOS
     changed Gemma's answers on 18 of 20 prompts)."""
     bos_text = target.detokenize([target.bos]) if target.adds_bos and target.bos >= 0 else ""
-    binary = config.peer_binary or tool_path()
-    if not binary.is_file():
-        raise SpectuneError(f"--peer llama.cpp: {binary} is not built yet; run `spectune tools build-llama-cpp`")
+    binary = config.peer_binary or built_tool(SPECULATIVE_TOOL)
     if config.draft_p_min or config.adaptive:
         raise SpectuneError("--peer llama.cpp compares a fixed draft length: drop --draft-p-min / --adaptive")
 

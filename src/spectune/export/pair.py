@@ -14,6 +14,8 @@ from pydantic import Field
 from spectune.atomic import atomic_path
 from spectune.config import Settings
 from spectune.data.read import read_dialogues
+from spectune.engines.llama_cpp import SERVER
+from spectune.engines.llama_server import server_command
 from spectune.errors import SpectuneError
 from spectune.export.gguf import DEFAULT_QUANT, QUANT_TYPES, check_quant, export_model
 from spectune.export.llama_flags import check_command
@@ -104,36 +106,6 @@ def choose_draft(drafts: list[str], acceptance: dict[str, Any] | None) -> tuple[
     return best, rows[best]["recommended_k"]
 
 
-def server_command(target: Path, draft: Path, k: int, threads: int) -> list[str]:
-    """llama.cpp's own server on the pair, with the exact settings (flag names of the pinned llama.cpp)."""
-    return [
-        "llama-server",
-        "-m",
-        str(target),
-        "-md",
-        str(draft),
-        "--spec-type",
-        "draft-simple",
-        "--spec-draft-n-max",
-        str(k),
-        "--spec-draft-n-min",
-        "0",
-        "--spec-draft-p-min",
-        "0.0",
-        "-t",
-        str(threads),
-        "-tb",
-        str(threads),
-        "--no-repack",
-        "-fa",
-        "off",
-        "--host",
-        "127.0.0.1",
-        "--port",
-        "8080",
-    ]
-
-
 def export_checked(
     folder: Path, out_file: Path, quant: str, conversations: list[list[dict[str, str]]], fidelity_n: int, keep_f16: bool
 ) -> dict:
@@ -183,8 +155,10 @@ def export_pair(config: ExportPairConfig) -> dict[str, Any]:
     acceptance = json.loads(config.acceptance.read_text()) if config.acceptance else None
     name, k = choose_draft(list(config.drafts), acceptance)
     chosen = {"target": str(target_file), "draft": str(config.out / gguf_name(name, quant)), "draft_name": name, "k": k}
+    # The HF folders they came from: what vLLM and SGLang serve (`spectune export --for vllm|sglang`).
+    chosen |= {"target_hf": str(config.target), "draft_hf": str(config.drafts[name])}
     report["chosen"] = chosen
-    command = server_command(target_file, Path(chosen["draft"]), k, thread_count(config.threads))
+    command = server_command(SERVER, target_file, Path(chosen["draft"]), k, thread_count(config.threads), port=8080)
     check_command(command)
     report["llama_server"] = shlex.join(command)
     with atomic_path(config.out / EXPORT_REPORT) as tmp:

@@ -39,11 +39,19 @@ from spectune.runtime.speculative import Generation, SamplingConfig, Speculative
 from spectune.speedup import DEFAULT_DRAFT_MAX
 
 CLAUSE_END = re.compile(r"[.!?;:,](\s|$)")
+# What llama-server has no equivalent for (its request size, queue and time limits are its own).
+SPECTUNE_ONLY = {"queue_timeout", "max_request_bytes", "max_seconds", "reuse_prefix"}
 
 
 class ServeConfig(Settings):
     """Everything `spectune serve` takes."""
 
+    engine: Literal["spectune", "llama.cpp"] = Field(
+        "spectune", description="spectune's own server, or llama.cpp's llama-server on the same pair and settings."
+    )
+    llama_server: Path | None = Field(
+        None, description="The llama-server binary for --engine llama.cpp (default: `spectune tools build-llama-cpp`)."
+    )
     target: Path | None = Field(None, description="Target GGUF (or --run).")
     draft: Path | None = Field(None, description="Draft GGUF: speculative decoding (or --run).")
     run: Path | None = Field(None, description="A finished `spectune run` folder: serve its chosen pair and k.")
@@ -72,6 +80,9 @@ class ServeConfig(Settings):
             raise ValueError("give --target (and --draft), or --run RUN_DIR")
         if self.draft_max is None:
             self.draft_max = DEFAULT_DRAFT_MAX
+        own = sorted(SPECTUNE_ONLY & self.model_fields_set)
+        if self.engine == "llama.cpp" and own:
+            raise ValueError(f"{', '.join(own)}: settings of spectune's own server, not of --engine llama.cpp")
         return self
 
 

@@ -4,9 +4,12 @@ TRL/transformers trainer settings for this hardware, checkpoints, progress and p
 from __future__ import annotations
 
 import json
+import logging
+import os
 import resource
 import shutil
 import time
+import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
@@ -25,6 +28,19 @@ from spectune.errors import SpectuneError
 from spectune.models.load import save_tokenizer
 
 console = Console()
+
+
+class _OptionalKernelNotice(logging.Filter):
+    """bitsandbytes warns at import that the optional `kernels` package (a faster CPU 4-bit matmul) is missing; its
+    own kernel runs instead. Only that line is dropped: anything else the logger says still shows."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "gemm_4bit_forward from kernels-community" not in record.getMessage()
+
+
+logging.getLogger("bitsandbytes.backends.cpu.ops").addFilter(_OptionalKernelNotice())
+# peft reads `model.is_gradient_checkpointing`, which transformers 5 renamed (peft 0.21's call, not ours).
+warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
 
 
 @dataclass
@@ -142,7 +158,7 @@ def trainer_settings(config: TrainConfig) -> dict[str, Any]:
         "bf16": cuda and torch.cuda.is_bf16_supported(),
         "fp16": False,
         "use_cpu": not cuda,
-        "gradient_checkpointing": cuda if config.gradient_checkpointing is None else config.gradient_checkpointing,
+        "activation_checkpointing": cuda if config.gradient_checkpointing is None else config.gradient_checkpointing,
         "max_length": config.max_tokens,
         "packing": False,
         "dataloader_num_workers": 0,
@@ -169,6 +185,11 @@ def peak_memory_bytes() -> tuple[int, str]:
 
 def folder_bytes(folder: Path) -> int:
     return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
+
+
+def is_main_process() -> bool:
+    """The only process, or rank 0 of a torchrun / accelerate launch: the one that writes outputs."""
+    return int(os.environ.get("RANK", "0")) == 0
 
 
 class Timer:
@@ -214,15 +235,20 @@ def train_and_save(trainer: Any, tokenizer: Any, config: TrainConfig, save_to: P
     resume_from = last_checkpoint(config.out) if config.resume else None
     if config.resume and resume_from is None:
         console.print("[yellow]--resume: no complete checkpoint yet, starting from the beginning[/]")
-    if not config.resume:  # a fresh run: checkpoints of an earlier one must never be resumed into this one
+    if not config.resume and is_main_process():  # a fresh run must never resume an earlier run's checkpoints
         shutil.rmtree(config.out / "checkpoints", ignore_errors=True)
     with Timer() as timer, out_of_memory_advice(config):
         before = trainer.evaluate()["eval_loss"]
         trainer.train(resume_from_checkpoint=str(resume_from) if resume_from else None)
         after = trainer.evaluate()["eval_loss"]
-    with atomic_path(save_to) as tmp:
-        trainer.model.save_pretrained(str(tmp))
-        save_tokenizer(tokenizer, tmp)
+    if trainer.args.world_size > 1:  # each rank's own count: DDP's gradient all-reduce keeps them in step
+        args = trainer.args
+        console.print(f"rank {args.process_index} of {args.world_size}: {trainer.state.global_step} optimizer steps")
+    if is_main_process():  # one copy of the model, written by rank 0 under torchrun
+        with atomic_path(save_to) as tmp:
+            trainer.model.save_pretrained(str(tmp))
+            save_tokenizer(tokenizer, tmp)
+    trainer.accelerator.wait_for_everyone()  # no rank reads the output before it is complete
     peak, how = peak_memory_bytes()
     return TrainResult(
         eval_loss_before=before,
@@ -237,7 +263,9 @@ def train_and_save(trainer: Any, tokenizer: Any, config: TrainConfig, save_to: P
 
 
 def write_report(path: Path, config: BaseModel, result: BaseModel, data: TaskData) -> None:
-    """The stage's config, result and what rendering cut, as JSON (atomic)."""
+    """The stage's config, result and what rendering cut, as JSON (atomic; by rank 0 only under torchrun)."""
+    if not is_main_process():
+        return
     report = {
         "config": config.model_dump(mode="json"),
         "result": result.model_dump(mode="json"),

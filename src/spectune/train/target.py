@@ -5,6 +5,7 @@ reloaded in 16/32-bit, ready for GGUF export.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -52,14 +53,35 @@ class FinetuneResult(TrainResult):
     four_bit: bool
 
 
-def quantization_config() -> Any:
-    """NF4 with double quantization, computing in bf16 on a GPU that has it, else f32 (CPU)."""
+def compute_dtype() -> Any:
+    """bf16 on a GPU that has it, else f32 (CPU)."""
     import torch
+
+    return torch.bfloat16 if has_cuda() and torch.cuda.is_bf16_supported() else torch.float32
+
+
+def fsdp_launch() -> bool:
+    """Whether `accelerate launch` started this process with an FSDP config (configs/accelerate/)."""
+    return os.environ.get("ACCELERATE_USE_FSDP", "").lower() in ("1", "true")
+
+
+def local_device() -> int | str:
+    """This process's GPU (torchrun's LOCAL_RANK: each rank its own), else the CPU."""
+    return int(os.environ.get("LOCAL_RANK", "0")) if has_cuda() else "cpu"
+
+
+def quantization_config() -> Any:
+    """NF4 with double quantization. Under FSDP the 4-bit weights are stored in the compute dtype: FSDP shards only
+    floating-point tensors, so uint8 storage would not be sharded (bitsandbytes' FSDP-QLoRA)."""
     from transformers import BitsAndBytesConfig
 
-    compute = torch.bfloat16 if has_cuda() and torch.cuda.is_bf16_supported() else torch.float32
+    storage = {"bnb_4bit_quant_storage": compute_dtype()} if fsdp_launch() else {}
     return BitsAndBytesConfig(
-        load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True, bnb_4bit_compute_dtype=compute
+        load_in_4bit=True,
+        bnb_4bit_quant_type="nf4",
+        bnb_4bit_use_double_quant=True,
+        bnb_4bit_compute_dtype=compute_dtype(),
+        **storage,
     )
 
 
@@ -70,7 +92,10 @@ def load_base(model_dir: Path, four_bit: bool) -> Any:
     kwargs: dict[str, Any] = {"dtype": torch.float32 if not has_cuda() else "auto"}
     if four_bit:
         kwargs["quantization_config"] = quantization_config()
-        kwargs["device_map"] = {"": 0} if has_cuda() else {"": "cpu"}
+        if fsdp_launch():  # every rank loads the same way and FSDP places the shards; dtype = the 4-bit storage
+            kwargs["dtype"] = compute_dtype()
+        else:
+            kwargs["device_map"] = {"": local_device()}
     try:
         model = AutoModelForCausalLM.from_pretrained(str(model_dir), local_files_only=True, **kwargs)
     except (OSError, ValueError) as exc:

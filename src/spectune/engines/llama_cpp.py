@@ -1,0 +1,127 @@
+"""llama.cpp's own binaries, built from the llama.cpp sources inside the pinned llama-cpp-python sdist (the same
+code the Python binding runs), once, into the user cache: `spectune tools build-llama-cpp`.
+
+`llama-speculative-simple` is the peer `spectune bench --peer` compares our loop with; `llama-server` is the engine
+`spectune serve --engine llama.cpp` hands the tuned pair to.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import tarfile
+from pathlib import Path
+
+from spectune.atomic import atomic_path
+from spectune.cache import cache_root
+from spectune.errors import SpectuneError
+from spectune.export.converter import fetch_sdist, llama_cpp_version
+from spectune.runtime.build import llamafile_compiled
+
+SPECULATIVE_TOOL, SERVER = "llama-speculative-simple", "llama-server"
+TOOLS = (SPECULATIVE_TOOL, SERVER)
+# No web UI, no TLS, static binaries (relocatable, so the finished build can be renamed into place).
+BUILD_FLAGS = (
+    "-DCMAKE_BUILD_TYPE=Release",
+    "-DLLAMA_BUILD_UI=OFF",
+    "-DLLAMA_USE_PREBUILT_UI=OFF",
+    "-DLLAMA_OPENSSL=OFF",
+    "-DLLAMA_BUILD_TESTS=OFF",
+    "-DBUILD_SHARED_LIBS=OFF",
+)
+
+
+def llama_cpp_source() -> Path:
+    """llama.cpp's source tree: $SPECTUNE_LLAMA_CPP_SRC, else unpacked from the pinned sdist into the cache."""
+    override = os.environ.get("SPECTUNE_LLAMA_CPP_SRC")
+    if override:
+        if not (Path(override) / "CMakeLists.txt").is_file():
+            raise SpectuneError(f"SPECTUNE_LLAMA_CPP_SRC={override}: no CMakeLists.txt there")
+        return Path(override)
+    folder = cache_root() / "llama.cpp-src" / llama_cpp_version()
+    if (folder / "CMakeLists.txt").is_file():
+        return folder
+    prefix = f"llama_cpp_python-{llama_cpp_version()}/vendor/llama.cpp/"
+    with atomic_path(folder) as tmp, tarfile.open(fetch_sdist()) as archive:
+        for member in archive.getmembers():
+            if member.name.startswith(prefix) and (member.isfile() or member.isdir()):
+                member.name = member.name[len(prefix) :]
+                if member.name:
+                    archive.extract(member, tmp, filter="data")
+    return folder
+
+
+def _switch(on: bool) -> str:
+    return "on" if on else "off"
+
+
+def tools_dir(variant: str = "cpu") -> Path:
+    """Where the built binaries live: built with llamafile as the installed binding has it, so all run the same
+    kernels (README "Identical answers")."""
+    llamafile = _switch(llamafile_compiled())
+    return cache_root() / "llama.cpp-bin" / f"{llama_cpp_version()}-{variant}-llamafile-{llamafile}"
+
+
+def tool_path(tool: str = SPECULATIVE_TOOL, variant: str = "cpu") -> Path:
+    return tools_dir(variant) / tool
+
+
+def built_tool(tool: str, variant: str = "cpu") -> Path:
+    """The binary of `tool`, or a clear error that says how to build it."""
+    binary = tool_path(tool, variant)
+    if not binary.is_file():
+        raise SpectuneError(f"{binary} is not built yet; run `spectune tools build-llama-cpp` (~10 min on 2 cores)")
+    return binary
+
+
+def lib_dir(llamafile: bool) -> Path:
+    return cache_root() / "llama.cpp-lib" / f"{llama_cpp_version()}-llamafile-{_switch(llamafile)}"
+
+
+def _cmake(build: Path, cmake_args: tuple[str, ...], targets: tuple[str, ...], jobs: int | None) -> None:
+    if shutil.which("cmake") is None:
+        raise SpectuneError("cmake is not installed (needed to build llama.cpp's tools): apt install cmake")
+    configure = ["cmake", "-S", str(llama_cpp_source()), "-B", str(build), *BUILD_FLAGS, *cmake_args]
+    compile_ = ["cmake", "--build", str(build), "--target", *targets, "-j", str(jobs or os.cpu_count() or 1)]
+    for command in (configure, compile_):
+        result = subprocess.run(command, capture_output=True, text=True)
+        if result.returncode != 0:
+            tail = "\n".join((result.stdout + result.stderr).strip().splitlines()[-20:])
+            raise SpectuneError(f"building llama.cpp failed: {' '.join(command)}\n{tail}")
+
+
+def build_llama_cpp(cmake_args: tuple[str, ...] = (), variant: str = "cpu", jobs: int | None = None) -> Path:
+    """Build `llama-speculative-simple` and `llama-server` in one tree (cmake, ~10 min on 2 cores); returns their
+    folder. Cached per variant; a folder missing either tool is built again."""
+    folder = tools_dir(variant)
+    if all((folder / tool).is_file() for tool in TOOLS):
+        return folder
+    build = cache_root() / "llama.cpp-build" / folder.name
+    _cmake(build, (f"-DGGML_LLAMAFILE={_switch(llamafile_compiled()).upper()}", *cmake_args), TOOLS, jobs)
+    with atomic_path(folder) as tmp:
+        tmp.mkdir(parents=True)
+        for tool in TOOLS:
+            shutil.copy2(build / "bin" / tool, tmp / tool)
+    return folder
+
+
+def build_llama_libs(llamafile: bool, jobs: int | None = None) -> Path:
+    """libllama and libggml as shared libraries with llamafile on or off, for LLAMA_CPP_LIB_PATH: a second build
+    that a benchmark loads in a child process beside the installed one (~10 min on 2 cores). Cached."""
+    folder = lib_dir(llamafile)
+    if (folder / "libllama.so").is_file():
+        return folder
+    build = cache_root() / "llama.cpp-build" / f"lib-{folder.name}"
+    # Shared, and finding each other next to themselves ($ORIGIN) once copied out of the build tree.
+    flags = (
+        "-DBUILD_SHARED_LIBS=ON",
+        "-DCMAKE_BUILD_RPATH_USE_ORIGIN=ON",
+        f"-DGGML_LLAMAFILE={_switch(llamafile).upper()}",
+    )
+    _cmake(build, flags, ("llama",), jobs)
+    with atomic_path(folder) as tmp:
+        tmp.mkdir(parents=True)
+        for library in (build / "bin").glob("lib*.so*"):
+            shutil.copy2(library, tmp / library.name, follow_symlinks=False)
+    return folder

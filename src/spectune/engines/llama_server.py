@@ -1,0 +1,121 @@
+"""llama.cpp's own `llama-server` on the tuned pair: the command (flag names of the pinned llama.cpp), and a
+supervised child process that is ready when its /health says so and never outlives spectune.
+
+With `exact`, the settings that keep batched logits equal to one-token ones (README "Identical answers"):
+`--no-repack`, flash attention off and GGML_CPU_TILED_MM=0, so the server's answers are the target's own.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import IO
+
+from spectune.errors import SpectuneError
+
+READY_POLL_SECONDS = 0.2
+STOP_SECONDS = 10.0
+LOG_TAIL_CHARS = 2000
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def server_command(
+    binary: str | Path,
+    target: Path,
+    draft: Path | None,
+    draft_max: int,
+    threads: int,
+    *,
+    host: str = "127.0.0.1",
+    port: int = 8080,
+    n_ctx: int = 4096,
+    slots: int = 1,
+    exact: bool = True,
+    model_name: str = "spectune",
+) -> list[str]:
+    """`llama-server` serving `target` (with `draft` speculating `draft_max` tokens, greedy and unconditional like
+    spectune's own loop). The API key is not here: it goes through LLAMA_API_KEY, out of `ps`."""
+    command = [str(binary), "-m", str(target), "-a", model_name, "--host", host, "--port", str(port)]
+    # -c is shared by the slots: each gets n_ctx as in spectune's own server.
+    command += ["-c", str(n_ctx * slots), "-np", str(slots), "-t", str(threads), "-tb", str(threads)]
+    command += ["--jinja", "--metrics", "--no-webui"]
+    if draft is not None:
+        command += ["-md", str(draft), "--spec-type", "draft-simple", "--spec-draft-n-max", str(draft_max)]
+        command += ["--spec-draft-n-min", "0", "--spec-draft-p-min", "0.0", "-td", str(threads), "-tbd", str(threads)]
+    if exact:
+        command += ["--no-repack", "-fa", "off"]
+    return command
+
+
+def server_env(exact: bool, api_key: str | None) -> dict[str, str]:
+    """The variables the server needs on top of the caller's environment."""
+    env = {"GGML_CPU_TILED_MM": "0"} if exact else {}
+    return {**env, "LLAMA_API_KEY": api_key} if api_key else env
+
+
+def _die_with_parent() -> None:
+    """Runs in the child before exec: the kernel sends it SIGTERM when spectune dies, even by SIGKILL."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+class LlamaServer:
+    """A running `llama-server`; a context manager that stops it (SIGTERM, then SIGKILL) on the way out."""
+
+    def __init__(self, command: list[str], env: dict[str, str], url: str, log: IO[str] | None = None) -> None:
+        self.command, self.url = command, url
+        self.process = subprocess.Popen(
+            command,
+            env={**os.environ, **env},
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT if log is not None else None,
+            preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None,
+        )
+        self.log = log
+
+    def wait_ready(self, timeout: float) -> None:
+        """Poll /health until the model is loaded; a child that exits or a timeout is an error (and is stopped)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise SpectuneError(f"llama-server exited with {self.process.returncode}:{self._log_tail()}")
+            try:
+                with urllib.request.urlopen(f"{self.url}/health", timeout=2) as response:
+                    if response.status == 200:
+                        return
+            except (urllib.error.URLError, ConnectionError, TimeoutError):
+                pass  # not listening yet, or 503 while the model loads
+            time.sleep(READY_POLL_SECONDS)
+        self.stop()
+        raise SpectuneError(f"llama-server was not ready within {timeout:.0f} s:{self._log_tail()}")
+
+    def _log_tail(self) -> str:
+        if self.log is None or not Path(self.log.name).is_file():
+            return " (its output went to the terminal)"
+        self.log.flush()
+        return "\n" + Path(self.log.name).read_text(errors="replace")[-LOG_TAIL_CHARS:]
+
+    def stop(self) -> int:
+        """Ask it to finish (SIGTERM, as Ctrl-C would), kill it past STOP_SECONDS; its exit code."""
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(STOP_SECONDS)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        return self.process.returncode
+
+    def __enter__(self) -> LlamaServer:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop()

@@ -1,0 +1,174 @@
+"""llama.cpp's own llama-server on the tuned micro pair, for real: built from the pinned sources once per user cache
+(~10 minutes on 2 cores, shared with the bench's peer), started by `spectune serve --engine llama.cpp`'s code,
+asked through the official openai client, and stopped."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+from conftest import run_cli, swap_two_tokens
+from test_serve import engine_answer
+
+from spectune.engines.handoff import HandoffConfig, hand_off
+from spectune.engines.llama_cpp import SERVER, build_llama_cpp
+from spectune.errors import SpectuneError
+from spectune.serve.app import ServeConfig
+from spectune.serve.engine import free_port, start_llama_server
+
+KEY = "sk-engine-test"
+
+
+@pytest.fixture(scope="module")
+def llama_server():
+    return build_llama_cpp() / SERVER
+
+
+def port_is_free(port: int) -> bool:
+    """Whether a new server could listen on `port` (as servers do, past the closed connections' TIME_WAIT)."""
+    with socket.socket() as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def spec_counters(url: str) -> dict[str, float]:
+    text = httpx.get(f"{url}/metrics", headers={"Authorization": f"Bearer {KEY}"}).text
+    return {name: float(value) for name, value in re.findall(r"^llamacpp:(spec_decode_\w+_total) (\S+)$", text, re.M)}
+
+
+def test_llama_server_serves_the_tuned_pair_with_the_targets_own_answers(llama_server, pair, messages, tmp_path):
+    from openai import AuthenticationError, OpenAI
+
+    target, draft = pair
+    port = free_port()
+    config = ServeConfig(
+        target=target, draft=draft, draft_max=4, engine="llama.cpp", llama_server=llama_server, port=port,
+        api_key=KEY, n_ctx=512, threads=1,
+    )  # fmt: skip
+    with open(tmp_path / "server.log", "w") as log, start_llama_server(config, log) as server:
+        client = OpenAI(base_url=f"{server.url}/v1", api_key=KEY)
+        reply = client.chat.completions.create(model="spectune", messages=messages, max_tokens=24, temperature=0)
+        text = reply.choices[0].message.content
+        timings = reply.model_extra["timings"]
+        stream = client.chat.completions.create(
+            model="spectune", messages=messages, max_tokens=24, temperature=0, stream=True
+        )
+        streamed = "".join(part.choices[0].delta.content or "" for part in stream if part.choices)
+        counters = spec_counters(server.url)
+        with pytest.raises(AuthenticationError):
+            OpenAI(base_url=f"{server.url}/v1", api_key="wrong").models.list()
+        assert "--spec-type" in server.command and "--no-repack" in server.command
+    # The draft was used (llama.cpp's own counts) and changed nothing: the answer is spectune's greedy target's.
+    assert timings["draft_n"] > 0 and 0 <= timings["draft_n_accepted"] <= timings["draft_n"]
+    assert counters["spec_decode_num_draft_tokens_total"] >= timings["draft_n"]
+    assert text == engine_answer(pair, messages, 24) and streamed == text
+    assert server.process.returncode is not None and wait_until(lambda: port_is_free(port))
+
+
+def alive(pid: int) -> bool:
+    """Whether a process runs (a zombie waiting for its reaper does not)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def wait_until(condition, seconds: float = 15.0) -> bool:
+    deadline = time.monotonic() + seconds
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return condition()
+
+
+@pytest.mark.parametrize("how", [signal.SIGTERM, signal.SIGKILL], ids=["stopped", "killed"])
+def test_serve_command_leaves_no_llama_server_behind(llama_server, pair, how):
+    """`spectune serve --engine llama.cpp` as a user runs it: ready, then stopped (SIGTERM, as a service manager
+    does) or killed outright; either way llama-server goes with it and its port is free again."""
+    port = free_port()
+    command = [sys.executable, "-m", "spectune.cli", "serve", "--engine", "llama.cpp", "--target", str(pair[0])]
+    command += ["--draft", str(pair[1]), "--llama-server", str(llama_server), "--port", str(port), "--threads", "1"]
+    parent = subprocess.Popen([*command, "--n-ctx", "512"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        lines = []
+        for line in parent.stdout:  # type: ignore[union-attr]
+            lines.append(line)
+            if "ready at" in line:
+                break
+        assert lines and "ready at" in lines[-1], "".join(lines[-20:])
+        child = int(re.search(r"pid (\d+)", lines[-1]).group(1))  # type: ignore[union-attr]
+        assert httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200
+        parent.send_signal(how)
+        assert parent.wait(30) == (0 if how == signal.SIGTERM else -signal.SIGKILL)
+    finally:
+        parent.kill()
+    assert wait_until(lambda: not alive(child))
+    assert wait_until(lambda: port_is_free(port))
+
+
+def test_settings_of_spectunes_own_server_are_refused_for_llama_cpp(pair):
+    with pytest.raises(ValueError, match="max_seconds: settings of spectune's own server"):
+        ServeConfig(target=pair[0], engine="llama.cpp", max_seconds=5)
+
+
+def finished_run(folder: Path, target: Path, draft: Path) -> Path:
+    """A run folder as `spectune run` leaves it, as far as hand-off reads it (gguf/pair.json)."""
+    chosen = {"target": "t.gguf", "draft": "d.gguf", "draft_name": "sft", "k": 5}
+    (folder / "gguf").mkdir(parents=True)
+    (folder / "gguf" / "pair.json").write_text(json.dumps(chosen | {"target_hf": str(target), "draft_hf": str(draft)}))
+    return folder
+
+
+@pytest.mark.parametrize("engine", ["vllm", "sglang"])
+def test_export_for_an_engine_writes_loadable_folders_and_its_command(tuned_target, sft_draft, tmp_path, engine):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    run = finished_run(tmp_path / "run", tuned_target, sft_draft)
+    assert run_cli("export", "--for", engine, str(run)) == 0
+    out = run / "handoff" / engine
+    report = json.loads((out / "handoff.json").read_text())
+    command = shlex.split(report["command"])
+    for role, source in (("target", tuned_target), ("draft", sft_draft)):
+        model = AutoModelForCausalLM.from_pretrained(out / role)  # the engines load these folders the same way
+        assert model.config.vocab_size == AutoModelForCausalLM.from_pretrained(source).config.vocab_size
+        assert (
+            AutoTokenizer.from_pretrained(out / role).get_vocab() == AutoTokenizer.from_pretrained(source).get_vocab()
+        )
+    if engine == "vllm":
+        assert command[:3] == ["vllm", "serve", str(out / "target")]
+        speculative = json.loads(command[command.index("--speculative-config") + 1])
+        assert speculative == {"method": "draft_model", "model": str(out / "draft"), "num_speculative_tokens": 5}
+    else:
+        assert command[command.index("--speculative-algorithm") + 1] == "STANDALONE"
+        assert command[command.index("--speculative-draft-model-path") + 1] == str(out / "draft")
+        steps, tokens = (
+            int(command[command.index(flag) + 1])
+            for flag in ("--speculative-num-steps", "--speculative-num-draft-tokens")
+        )
+        assert (steps, tokens) == (5, 6)  # SGLang's rule with eagle-topk 1: draft tokens = steps + 1
+    script = (out / "serve.sh").read_text()
+    assert report["command"] in script and os.access(out / "serve.sh", os.X_OK)
+
+
+def test_export_for_an_engine_refuses_a_draft_with_another_tokenizer(tuned_target, tmp_path):
+    other = swap_two_tokens(tuned_target, tmp_path / "other")
+    run = finished_run(tmp_path / "run", tuned_target, other)
+    with pytest.raises(SpectuneError, match="tokenizer differs from the target's \\(vocabulary"):
+        hand_off(HandoffConfig(run=run, engine="vllm"))
+    assert not (run / "handoff").exists()
+    (run / "gguf" / "pair.json").write_text(json.dumps({"target": "t", "draft": "d", "draft_name": "sft", "k": 3}))
+    with pytest.raises(SpectuneError, match="predates hand-off"):
+        hand_off(HandoffConfig(run=run, engine="sglang"))
