@@ -44,7 +44,7 @@ def main() -> None:
     configure_torch_threads()
     layout = RunLayout(args.run)
     manifest = json.loads(layout.manifest.read_text())
-    base = Path(manifest["stages"]["target"]["output"]["target"])
+    base = Path(manifest["stages"]["target"]["outputs"]["target"])
     adapter = layout.target_dir / "adapter"
     tokenizer = load_tokenizer(layout.merged_target)
     prompts = extract_prompts(read_dialogues(layout.eval_file).dialogues, args.n, seed=1)

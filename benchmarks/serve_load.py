@@ -24,9 +24,10 @@ from typing import Any
 import httpx
 
 from spectune.data.prepare import read_prompts
+from spectune.engines.llama_server import free_port
 from spectune.runtime.build import build_name
 from spectune.serve.app import ServeConfig, serve_in_thread
-from spectune.serve.engine import free_port, start_llama_server
+from spectune.serve.engine import start_llama_server
 
 RESULTS = Path(__file__).parent / "results"
 

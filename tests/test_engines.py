@@ -22,9 +22,10 @@ from test_serve import engine_answer
 
 from spectune.engines.handoff import HandoffConfig, hand_off
 from spectune.engines.llama_cpp import SERVER, build_llama_cpp
+from spectune.engines.llama_server import free_port
 from spectune.errors import SpectuneError
 from spectune.serve.app import ServeConfig
-from spectune.serve.engine import free_port, start_llama_server
+from spectune.serve.engine import start_llama_server
 
 KEY = "sk-engine-test"
 
@@ -59,7 +60,7 @@ def test_llama_server_serves_the_tuned_pair_with_the_targets_own_answers(llama_s
         target=target, draft=draft, draft_max=4, engine="llama.cpp", llama_server=llama_server, port=port,
         api_key=KEY, n_ctx=512, threads=1,
     )  # fmt: skip
-    with open(tmp_path / "server.log", "w") as log, start_llama_server(config, log) as server:
+    with open(tmp_path / "server.log", "w+") as log, start_llama_server(config, log) as server:
         client = OpenAI(base_url=f"{server.url}/v1", api_key=KEY)
         reply = client.chat.completions.create(model="spectune", messages=messages, max_tokens=24, temperature=0)
         text = reply.choices[0].message.content
@@ -172,3 +173,19 @@ def test_export_for_an_engine_refuses_a_draft_with_another_tokenizer(tuned_targe
     (run / "gguf" / "pair.json").write_text(json.dumps({"target": "t", "draft": "d", "draft_name": "sft", "k": 3}))
     with pytest.raises(SpectuneError, match="predates hand-off"):
         hand_off(HandoffConfig(run=run, engine="sglang"))
+
+
+def test_bench_checks_its_baseline_against_llama_cpp(llama_server, pair, demo_data, tmp_path):
+    """--peer: llama.cpp's speculative tool on the pair and its own target-alone loop (llama-server), beside ours."""
+    from spectune.bench.run import BenchConfig, bench
+
+    target, draft = pair
+    config = BenchConfig(
+        target=target, drafts={"sft": draft}, data=demo_data, out=tmp_path, n=2, repeats=1, max_tokens=16,
+        draft_max=3, threads=1, peer=True, plot=False,
+    )  # fmt: skip
+    summary = bench(config)["summary"]["sft"]
+    assert summary["identical"] == summary["llama_cpp_identical"] == summary["llama_cpp_target_identical"] == 2
+    assert summary["baseline_vs_llama_cpp"] > 0 and summary["aggregate_speedup_over_llama_cpp"] > 0
+    assert summary["llama_cpp_target_total"][0] > 0
+    assert "Baseline check: the target alone through llama.cpp's own loop" in (tmp_path / "report.md").read_text()

@@ -179,6 +179,8 @@ def test_bench_writes_its_report(ggufs, demo_data, tmp_path):
     assert summary["worst_speedup"] <= summary["mean_speedup"] <= summary["best_speedup"]
     assert summary["cost_ratio"] > 0 and summary["verify_ratio"] >= 1.0 - 0.5
     assert summary["predicted_speedup_gpu"] > 0 and summary["mean_accepted_len"] >= 1.0
+    # a caller's waits: the first sentence comes no sooner than the first token
+    assert 0 < summary["target_ttft_ms"] <= summary["target_ttfs_ms"] and 0 < summary["ttft_ms"] <= summary["ttfs_ms"]
     for name in ("report.json", "report.md", "report.png"):
         assert (tmp_path / "bench" / name).stat().st_size > 0
     assert json.loads((tmp_path / "bench" / "report.json").read_text())["settings"]["n"] == 3

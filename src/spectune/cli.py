@@ -305,10 +305,16 @@ def merge(
     base: Annotated[Path, typer.Option(help="The base model folder the adapter was trained on.")],
     adapter: Annotated[Path, typer.Option(help="The LoRA adapter folder.")],
     out: Annotated[Path, typer.Option(help="Where to write the merged HF model.")],
+    four_bit: Annotated[
+        bool, typer.Option(help="The adapter was trained on the NF4 base (QLoRA): merge into it, dequantized.")
+    ] = True,
 ) -> None:
-    """Merge a (Q)LoRA adapter into its base reloaded unquantized; checks merged == base + adapter."""
-    result = run_merge(base, adapter, out)
-    console.print(f"merged -> {result.model} (max logit difference vs base + adapter: {result.max_logit_diff:.1e})")
+    """Merge a (Q)LoRA adapter into the base it was trained on; checks merged == base + adapter."""
+    result = run_merge(base, adapter, out, four_bit)
+    console.print(
+        f"merged into the {result.merged_into} -> {result.model} "
+        f"(max logit difference vs base + adapter: {result.max_logit_diff:.1e})"
+    )
 
 
 @config_command(app, DraftConfig)

@@ -246,7 +246,7 @@ def finetune_stage(context: Context) -> dict[str, Any]:
 
 def merge_stage(context: Context) -> dict[str, Any]:
     base, adapter = Path(context.outputs["target"]["target"]), Path(context.outputs["finetune"]["adapter"])
-    return merge(base, adapter, context.layout.merged_target).model_dump(mode="json")
+    return merge(base, adapter, context.layout.merged_target, context.config.finetune.four_bit).model_dump(mode="json")
 
 
 def draft_stage(context: Context, method: str) -> dict[str, Any]:
@@ -334,7 +334,7 @@ def stages(config: RunConfig) -> list[Stage]:
         Stage("data", data_stage, lambda c: c.data, reads=_data_files),
         Stage("target", target_stage, lambda c: c.models.model_dump(include=TARGET_FIELDS), reads=_target_folder),
         Stage("finetune", finetune_stage, lambda c: [c.finetune, c.data.seed], ("target",), _train_file),
-        Stage("merge", merge_stage, lambda c: None, ("target", "finetune")),
+        Stage("merge", merge_stage, lambda c: c.finetune.four_bit, ("target", "finetune")),
         Stage(
             "base-draft",
             base_draft_stage,

@@ -1,6 +1,6 @@
-"""llama.cpp's own speculative decoder (`llama-speculative-simple`) as a peer: same GGUFs, prompts and settings,
-so spectune's loop is compared with llama.cpp's in one run (`spectune bench --peer llama.cpp`). The tool is built
-by `spectune tools build-llama-cpp` (engines/llama_cpp.py).
+"""llama.cpp's own decoding beside ours, on the same GGUFs, prompts and settings (`spectune bench --peer`): its
+speculative decoder (`llama-speculative-simple`) on each pair, and the target alone through `llama-server`, the
+baseline every speedup is measured against. Both are built by `spectune tools build-llama-cpp`.
 """
 
 from __future__ import annotations
@@ -8,13 +8,21 @@ from __future__ import annotations
 import os
 import re
 import subprocess
+import tempfile
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+import httpx
+
+from spectune.engines.llama_cpp import SERVER, built_tool
 from spectune.engines.llama_cpp import SPECULATIVE_TOOL as TOOL
+from spectune.engines.llama_server import LlamaServer, free_port, server_command, server_env
 from spectune.errors import SpectuneError
 
 LOG_ATTEMPTS = 8
+BASELINE_READY_SECONDS = 120.0
 
 
 @dataclass
@@ -74,3 +82,27 @@ def run_peer(
         drafted=int(_field(r"n_drafted\s*=\s*(\d+)", log)),
         accepted=int(_field(r"n_accept\s*=\s*(\d+)", log)),
     )
+
+
+@contextmanager
+def llama_baseline(
+    target: Path, threads: int, n_ctx: int, exact: bool, binary: Path | None = None
+) -> Iterator[Callable[[str, int], PeerRun]]:
+    """The target alone decoded by llama.cpp's own loop (`llama-server`, no draft, the same GGUF, threads and exact
+    settings): the baseline our target-alone loop is checked against. Yields run(prompt text, max tokens); its
+    timings are the server's own decode time, the prompt excluded, as ours are."""
+    port = free_port()
+    command = server_command(
+        binary or built_tool(SERVER), target, None, 0, threads, port=port, n_ctx=n_ctx, exact=exact
+    )
+    url = f"http://127.0.0.1:{port}"
+    with tempfile.TemporaryFile("w+") as log, LlamaServer(command, server_env(exact, None), url, log) as server:
+        server.wait_ready(BASELINE_READY_SECONDS)
+
+        def run(prompt: str, max_tokens: int) -> PeerRun:
+            body = {"prompt": prompt, "n_predict": max_tokens, "temperature": 0.0, "top_k": 1, "cache_prompt": False}
+            reply = httpx.post(f"{server.url}/completion", json=body, timeout=600).raise_for_status().json()
+            timings = reply["timings"]
+            return PeerRun(reply["content"], timings["predicted_n"], timings["predicted_ms"] / 1000, 0, 0)
+
+        yield run

@@ -8,9 +8,13 @@ predicts is given for this machine and for a memory-bound GPU (r = 1), beside th
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import json
 import statistics
+import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
@@ -18,14 +22,14 @@ from pydantic import Field, field_validator
 from rich.console import Console
 
 from spectune.atomic import atomic_path
-from spectune.bench.peer import PeerRun, run_peer
+from spectune.bench.peer import PeerRun, llama_baseline, run_peer
 from spectune.config import Settings
 from spectune.data.prepare import read_prompts
 from spectune.engines.llama_cpp import SPECULATIVE_TOOL, built_tool
 from spectune.errors import SpectuneError
 from spectune.layout import TARGET
 from spectune.runtime.build import identity_verdict
-from spectune.runtime.chat import chat_prompt
+from spectune.runtime.chat import CLAUSE_END, chat_prompt
 from spectune.runtime.llama import LlamaModel
 from spectune.runtime.profile import measure_profile
 from spectune.runtime.speculative import Generation, SamplingConfig, SpeculativeDecoder
@@ -120,20 +124,16 @@ def bench(config: BenchConfig) -> dict[str, Any]:
         for name in decoders
     }
     peer = peer_runner(config, target) if config.peer else None
-    rows = []
-    for index, prompt in enumerate(prompts):
-        text = chat_prompt(target, prompt.messages)
-        ids = target.tokenize(text)
-        runs, peer_runs = run_interleaved(decoders, sampling, ids, text, peer, config.repeats)
-        row = prompt_row(index, ids, target.detokenize(runs[TARGET][0].tokens), runs, peer_runs)
-        rows.append(row)
-        console.print(
-            f"prompt {index + 1}/{len(prompts)}: "
-            + "  ".join(
-                f"{name} {v['tokens_per_second']:.0f} tok/s ({v['speedup']:.2f}x)"
-                for name, v in row["variants"].items()
-            )
+    with contextlib.ExitStack() as stack:
+        baseline = (
+            stack.enter_context(llama_baseline(config.target, target.threads, config.n_ctx, config.exact))
+            if config.peer
+            else None
         )
+        rows = [
+            bench_prompt(index, prompt.messages, target, decoders, sampling, peer, baseline, config)
+            for index, prompt in enumerate(prompts)
+        ]
     profiles = {
         name: measure_profile(
             config.target, path, max_batch=draft_length(config, name) + 1, threads=config.threads, exact=config.exact
@@ -162,26 +162,75 @@ def bench(config: BenchConfig) -> dict[str, Any]:
     return report
 
 
+def bench_prompt(
+    index: int,
+    messages: list[dict[str, str]],
+    target: LlamaModel,
+    decoders: dict[str, SpeculativeDecoder],
+    sampling: dict[str, SamplingConfig],
+    peer: Callable[[str, str], PeerRun] | None,
+    baseline: Callable[[str, int], PeerRun] | None,
+    config: BenchConfig,
+) -> dict[str, Any]:
+    """One prompt through every variant (and llama.cpp's, with --peer); its row, printed as it comes."""
+    text = chat_prompt(target, messages)
+    ids = target.tokenize(text)
+    llama_runs: dict[str, Callable[[], PeerRun]] = {
+        name: functools.partial(peer, name, text) for name in decoders if name != TARGET and peer
+    }
+    if baseline is not None:
+        llama_runs[TARGET] = functools.partial(baseline, without_bos(target, text), config.max_tokens)
+    runs, peer_runs = run_interleaved(decoders, sampling, ids, llama_runs, config.repeats)
+    row = prompt_row(index, ids, target.detokenize(runs[TARGET][0].generation.tokens), runs, peer_runs)
+    console.print(
+        f"prompt {index + 1}: "
+        + "  ".join(
+            f"{name} {v['tokens_per_second']:.0f} tok/s ({v['speedup']:.2f}x)" for name, v in row["variants"].items()
+        )
+    )
+    return row
+
+
+@dataclass
+class Timed:
+    generation: Generation
+    ttfs_seconds: float  # time to first sentence: to the end of the first clause the server's chunking streams
+
+
+def timed_generate(decoder: SpeculativeDecoder, ids: list[int], sampling: SamplingConfig) -> Timed:
+    """A generation, and when its text first held a clause end (the whole answer if it never did)."""
+    start, text, first = time.perf_counter(), [""], [0.0]
+
+    def on_text(piece: str) -> bool:
+        if not first[0]:
+            text[0] += piece
+            if CLAUSE_END.search(text[0]):
+                first[0] = time.perf_counter() - start
+        return True
+
+    generation = decoder.generate(ids, sampling, on_text)
+    return Timed(generation, first[0] or time.perf_counter() - start)
+
+
 def run_interleaved(
     decoders: dict[str, SpeculativeDecoder],
     sampling: dict[str, SamplingConfig],
     ids: list[int],
-    text: str,
-    peer: Callable[[str, str], PeerRun] | None,
+    llama_runs: dict[str, Callable[[], PeerRun]],
     repeats: int,
-) -> tuple[dict[str, list[Generation]], dict[str, list[PeerRun]]]:
-    """Every variant on one prompt, alternating, `repeats` times after a dropped warm-up round."""
-    runs: dict[str, list[Generation]] = {name: [] for name in decoders}
-    peer_runs: dict[str, list[PeerRun]] = {name: [] for name in decoders if name != TARGET and peer}
+) -> tuple[dict[str, list[Timed]], dict[str, list[PeerRun]]]:
+    """Every variant on one prompt, then llama.cpp's, alternating, `repeats` times after a dropped warm-up round."""
+    runs: dict[str, list[Timed]] = {name: [] for name in decoders}
+    peer_runs: dict[str, list[PeerRun]] = {name: [] for name in llama_runs}
     for repeat in range(repeats + 1):  # the first round warms up (caches, page faults) and is dropped
         for name, decoder in decoders.items():
-            result = decoder.generate(ids, sampling[name])
+            result = timed_generate(decoder, ids, sampling[name])
             if repeat:
                 runs[name].append(result)
-        for name in peer_runs:
-            result = peer(name, text)  # type: ignore[misc]
+        for name, run in llama_runs.items():
+            peer_result = run()
             if repeat:
-                peer_runs[name].append(result)
+                peer_runs[name].append(peer_result)
     return runs, peer_runs
 
 
@@ -189,18 +238,20 @@ def prompt_row(
     index: int,
     ids: list[int],
     answer: str,
-    runs: dict[str, list[Generation]],
+    runs: dict[str, list[Timed]],
     peer_runs: dict[str, list[PeerRun]],
 ) -> dict[str, Any]:
     """One prompt's medians per variant, its speedups over the target alone, and llama.cpp's beside ours."""
-    plain_tokens = runs[TARGET][0].tokens
+    plain_tokens = runs[TARGET][0].generation.tokens
     row: dict[str, Any] = {"prompt": index, "prompt_tokens": len(ids), "answer": answer, "variants": {}}
-    for name, results in runs.items():
+    for name, timed in runs.items():
+        results = [t.generation for t in timed]
         stats = [r.stats for r in results]
         row["variants"][name] = {
             "tokens": stats[0].generated,
             "tokens_per_second": statistics.median(s.tokens_per_second for s in stats),
             "ttft_ms": 1000 * statistics.median(s.ttft_seconds for s in stats),
+            "ttfs_ms": 1000 * statistics.median(t.ttfs_seconds for t in timed),
             "acceptance": stats[0].acceptance_rate,
             "mean_accepted_len": stats[0].mean_accepted_len,
             "produced": stats[0].produced,
@@ -217,8 +268,10 @@ def prompt_row(
     for name, results in peer_runs.items():
         peer_tps = statistics.median(r.tokens_per_second for r in results)
         row["variants"][name]["llama_cpp"] = {
+            "tokens": results[0].decoded_tokens,
             "tokens_per_second": peer_tps,
             "acceptance": results[0].accepted / results[0].drafted if results[0].drafted else 0.0,
+            # the speculative tool prints the prompt before the answer; the server returns the answer alone
             "identical": all(answer.strip() in r.text for r in results),
             "ours_over_llama_cpp": row["variants"][name]["tokens_per_second"] / peer_tps if peer_tps else 0.0,
         }
@@ -234,11 +287,15 @@ def draft_length(config: BenchConfig, name: str) -> int:
     return config.draft_max
 
 
-def peer_runner(config: BenchConfig, target: LlamaModel) -> Callable[[str, str], PeerRun]:
-    """Runs llama.cpp's own speculative decoder on (draft name, prompt text) with this bench's settings. The tool
-    adds the BOS token itself where the model asks for one: the template's own BOS text is taken off (a doubled BOS
-    changed Gemma's answers on 18 of 20 prompts)."""
+def without_bos(target: LlamaModel, text: str) -> str:
+    """The prompt text for llama.cpp's tools, which add the BOS token themselves where the model asks for one: the
+    template's own BOS text is taken off (a doubled BOS changed Gemma's answers on 18 of 20 prompts)."""
     bos_text = target.detokenize([target.bos]) if target.adds_bos and target.bos >= 0 else ""
+    return text.removeprefix(bos_text)
+
+
+def peer_runner(config: BenchConfig, target: LlamaModel) -> Callable[[str, str], PeerRun]:
+    """Runs llama.cpp's own speculative decoder on (draft name, prompt text) with this bench's settings."""
     binary = config.peer_binary or built_tool(SPECULATIVE_TOOL)
     if config.draft_p_min or config.adaptive:
         raise SpectuneError("--peer llama.cpp compares a fixed draft length: drop --draft-p-min / --adaptive")
@@ -248,7 +305,7 @@ def peer_runner(config: BenchConfig, target: LlamaModel) -> Callable[[str, str],
             binary,
             config.target,
             config.drafts[name],
-            text.removeprefix(bos_text),
+            without_bos(target, text),
             draft_length(config, name),
             config.max_tokens,
             target.threads,
@@ -284,19 +341,8 @@ def _summary(name: str, rows: list[dict], profile: dict, config: BenchConfig, dr
         d = sum(v["drafted_at"][position] for v in variants if position < len(v["drafted_at"]))
         a = sum(v["accepted_at"][position] for v in variants if position < len(v["accepted_at"]))
         per_position.append(a / d if d else 0.0)
-    peer = [v["llama_cpp"] for v in variants if "llama_cpp" in v]
-    vs_peer = (
-        {
-            "vs_llama_cpp": statistics.median(p["ours_over_llama_cpp"] for p in peer),
-            "llama_cpp_tokens_per_second": statistics.mean(p["tokens_per_second"] for p in peer),
-            "llama_cpp_acceptance": statistics.mean(p["acceptance"] for p in peer),
-            "llama_cpp_identical": sum(p["identical"] for p in peer),
-        }
-        if peer
-        else {}
-    )
     return {
-        **vs_peer,
+        **versus_llama_cpp(variants, [row["variants"][TARGET] for row in rows], seconds),
         "n": len(rows),
         "draft_max": k,
         "identical": sum(v["identical"] for v in variants),
@@ -305,6 +351,10 @@ def _summary(name: str, rows: list[dict], profile: dict, config: BenchConfig, dr
         "total_tokens": tokens,
         "total_seconds": seconds,
         "target_total_seconds": target_seconds,
+        "ttfs_ms": statistics.median(v["ttfs_ms"] for v in variants),
+        "target_ttfs_ms": statistics.median(row["variants"][TARGET]["ttfs_ms"] for row in rows),
+        "ttft_ms": statistics.median(v["ttft_ms"] for v in variants),
+        "target_ttft_ms": statistics.median(row["variants"][TARGET]["ttft_ms"] for row in rows),
         "mean_speedup": statistics.mean(speedups),
         "best_speedup": max(speedups),
         "worst_speedup": min(speedups),
@@ -318,6 +368,37 @@ def _summary(name: str, rows: list[dict], profile: dict, config: BenchConfig, dr
         "gpu_cost_ratio": gpu_c,
         "predicted_speedup_gpu": speedup(tau, k, gpu_c, 1.0),
     }
+
+
+def versus_llama_cpp(variants: list[dict], target_alone: list[dict], seconds: float) -> dict[str, Any]:
+    """llama.cpp's own figures beside ours, where --peer ran them: its speculative decoder on this pair, and its
+    target alone, the baseline (aggregates: all tokens over all decode seconds)."""
+    report: dict[str, Any] = {}
+    peer = [v["llama_cpp"] for v in variants if "llama_cpp" in v]
+    if peer:
+        report |= {
+            "vs_llama_cpp": statistics.median(p["ours_over_llama_cpp"] for p in peer),
+            "llama_cpp_tokens_per_second": statistics.mean(p["tokens_per_second"] for p in peer),
+            "llama_cpp_acceptance": statistics.mean(p["acceptance"] for p in peer),
+            "llama_cpp_identical": sum(p["identical"] for p in peer),
+        }
+    baseline = [v["llama_cpp"] for v in target_alone if "llama_cpp" in v]
+    if baseline:
+        llama_tokens, llama_seconds = totals(baseline)
+        ours_tokens, ours_seconds = totals(target_alone)
+        llama_rate = llama_tokens / llama_seconds if llama_seconds else 0.0
+        report |= {
+            # < 1: our target-alone loop is slower than llama.cpp's, and every speedup over it is inflated by that
+            "baseline_vs_llama_cpp": ours_tokens / ours_seconds / llama_rate if ours_seconds and llama_rate else 0.0,
+            "llama_cpp_target_tokens_per_second": llama_rate,
+            "llama_cpp_target_identical": sum(b["identical"] for b in baseline),
+            "llama_cpp_target_total": [llama_tokens, llama_seconds],
+            # the claim a skeptic accepts: with the draft, over llama.cpp's own target alone
+            "aggregate_speedup_over_llama_cpp": sum(v["tokens"] for v in variants) / seconds / llama_rate
+            if seconds and llama_rate
+            else 0.0,
+        }
+    return report
 
 
 def write_report(report: dict[str, Any], out: Path, with_plot: bool = True) -> None:
@@ -355,15 +436,7 @@ def markdown(report: dict[str, Any]) -> str:
             f"{s['cost_ratio']:.3f} | {s['verify_ratio']:.2f} | {s['predicted_speedup_here']:.2f}x | "
             f"{s['predicted_speedup_gpu']:.2f}x (c = {s['gpu_cost_ratio']:.3f}) |"
         )
-    peers = {name: s for name, s in report["summary"].items() if "vs_llama_cpp" in s}
-    if peers:
-        lines += ["", "| draft | llama.cpp tok/s | llama.cpp acceptance | llama.cpp identical | ours / llama.cpp |"]
-        lines.append("|---|---|---|---|---|")
-        for name, s in peers.items():
-            lines.append(
-                f"| {name} | {s['llama_cpp_tokens_per_second']:.1f} | {s['llama_cpp_acceptance']:.1%} | "
-                f"{s['llama_cpp_identical']}/{s['n']} | {s['vs_llama_cpp']:.2f}x |"
-            )
+    lines += latency_lines(report) + llama_cpp_lines(report)
     timed = [s["target_total_seconds"] for s in report["summary"].values()]
     if timed and min(timed) < 2.0:
         lines += ["", f"The target alone decoded for {min(timed):.2f} s in all: too little to time reliably."]
@@ -377,6 +450,46 @@ def markdown(report: dict[str, Any]) -> str:
         "",
     ]
     return "\n".join(lines)
+
+
+def latency_lines(report: dict[str, Any]) -> list[str]:
+    """What a caller waits for: the first token and the first sentence (the first chunk a TTS engine can speak)."""
+    lines = ["", "| draft | TTFT ms (alone) | time to first sentence ms (alone) |", "|---|---|---|"]
+    for name, s in report["summary"].items():
+        ttft, ttfs = (
+            f"{s['ttft_ms']:.0f} ({s['target_ttft_ms']:.0f})",
+            f"{s['ttfs_ms']:.0f} ({s['target_ttfs_ms']:.0f})",
+        )
+        lines.append(f"| {name} | {ttft} | {ttfs} |")
+    return lines
+
+
+def llama_cpp_lines(report: dict[str, Any]) -> list[str]:
+    """llama.cpp's speculative decoder beside ours, and its target alone as the baseline check (--peer)."""
+    lines: list[str] = []
+    peers = {name: s for name, s in report["summary"].items() if "vs_llama_cpp" in s}
+    if peers:
+        lines += ["", "| draft | llama.cpp tok/s | llama.cpp acceptance | llama.cpp identical | ours / llama.cpp |"]
+        lines.append("|---|---|---|---|---|")
+        for name, s in peers.items():
+            lines.append(
+                f"| {name} | {s['llama_cpp_tokens_per_second']:.1f} | {s['llama_cpp_acceptance']:.1%} | "
+                f"{s['llama_cpp_identical']}/{s['n']} | {s['vs_llama_cpp']:.2f}x |"
+            )
+    baselines = {name: s for name, s in report["summary"].items() if "baseline_vs_llama_cpp" in s}
+    if baselines:
+        first = next(iter(baselines.values()))
+        lines += [
+            "",
+            f"Baseline check: the target alone through llama.cpp's own loop (llama-server, same GGUF, threads and "
+            f"settings) ran {first['llama_cpp_target_tokens_per_second']:.1f} tok/s "
+            f"({first['llama_cpp_target_total'][0]} tokens in {first['llama_cpp_target_total'][1]:.2f} s; same answer "
+            f"on {first['llama_cpp_target_identical']}/{first['n']} prompts); ours / llama.cpp's = "
+            f"{first['baseline_vs_llama_cpp']:.2f}. With each draft over llama.cpp's target alone: "
+            + ", ".join(f"{name} {s['aggregate_speedup_over_llama_cpp']:.2f}x" for name, s in baselines.items())
+            + ".",
+        ]
+    return lines
 
 
 def plot(report: dict[str, Any], out: Path) -> None:

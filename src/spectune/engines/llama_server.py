@@ -10,6 +10,7 @@ from __future__ import annotations
 import ctypes
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -24,6 +25,13 @@ READY_POLL_SECONDS = 0.2
 STOP_SECONDS = 10.0
 LOG_TAIL_CHARS = 2000
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port nothing listens on now (the OS picks it)."""
+    with socket.socket() as probe:
+        probe.bind((host, 0))
+        return probe.getsockname()[1]
 
 
 def server_command(
@@ -67,7 +75,8 @@ def _die_with_parent() -> None:
 
 
 class LlamaServer:
-    """A running `llama-server`; a context manager that stops it (SIGTERM, then SIGKILL) on the way out."""
+    """A running `llama-server`; a context manager that stops it (SIGTERM, then SIGKILL) on the way out. Its output
+    goes to `log` (a file opened for reading too, "w+": errors quote its tail), else to the terminal."""
 
     def __init__(self, command: list[str], env: dict[str, str], url: str, log: IO[str] | None = None) -> None:
         self.command, self.url = command, url
@@ -98,10 +107,11 @@ class LlamaServer:
         raise SpectuneError(f"llama-server was not ready within {timeout:.0f} s:{self._log_tail()}")
 
     def _log_tail(self) -> str:
-        if self.log is None or not Path(self.log.name).is_file():
+        if self.log is None:
             return " (its output went to the terminal)"
         self.log.flush()
-        return "\n" + Path(self.log.name).read_text(errors="replace")[-LOG_TAIL_CHARS:]
+        self.log.seek(0)
+        return "\n" + self.log.read()[-LOG_TAIL_CHARS:]
 
     def stop(self) -> int:
         """Ask it to finish (SIGTERM, as Ctrl-C would), kill it past STOP_SECONDS; its exit code."""

@@ -10,6 +10,9 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from spectune.errors import SpectuneError
 from spectune.runtime.llama import LlamaModel
 
+# Where a clause ends: what a voice bot's TTS can speak without waiting for more (the server's sentence chunking,
+# the bench's time to first sentence).
+CLAUSE_END = re.compile(r"[.!?;:,](\s|$)")
 # HF's assistant-mask markers are a transformers extension of Jinja; rendering for inference ignores them.
 _GENERATION_TAGS = re.compile(r"{%-?\s*(?:end)?generation\s*-?%}")
 

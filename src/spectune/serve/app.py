@@ -13,9 +13,7 @@ import asyncio
 import contextlib
 import hmac
 import json
-import re
 import secrets
-import socket
 import threading
 import time
 import uuid
@@ -30,15 +28,15 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from spectune.config import Settings
+from spectune.engines.llama_server import free_port
 from spectune.errors import SpectuneError
 from spectune.layout import RunLayout
 from spectune.runtime.build import identity_verdict
-from spectune.runtime.chat import chat_tokens
+from spectune.runtime.chat import CLAUSE_END, chat_tokens
 from spectune.runtime.llama import LlamaModel
 from spectune.runtime.speculative import Generation, SamplingConfig, SpeculativeDecoder, Stats
 from spectune.speedup import DEFAULT_DRAFT_MAX
 
-CLAUSE_END = re.compile(r"[.!?;:,](\s|$)")
 # What llama-server has no equivalent for (its request size, queue and time limits are its own).
 SPECTUNE_ONLY = {"queue_timeout", "max_request_bytes", "max_seconds", "reuse_prefix"}
 
@@ -530,9 +528,7 @@ class Job:
 def serve_in_thread(config: ServeConfig, host: str = "127.0.0.1") -> tuple[Any, threading.Thread, str]:
     """Start the server on a free port in a background thread (tests, benchmarks, embedding);
     returns (uvicorn server, thread, base URL). Stop it with `server.should_exit = True`."""
-    with socket.socket() as probe:
-        probe.bind((host, 0))
-        port = probe.getsockname()[1]
+    port = free_port(host)
     server = uvicorn.Server(uvicorn.Config(create_app(config), host=host, port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()

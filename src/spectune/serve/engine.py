@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import signal
-import socket
 from collections.abc import Callable
 from types import FrameType
 from typing import IO
@@ -16,12 +15,6 @@ from spectune.serve.app import ServeConfig
 from spectune.threads import thread_count
 
 READY_SECONDS = 300.0  # a 12B GGUF takes a while to map on a cold disk
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as probe:
-        probe.bind((host, 0))
-        return probe.getsockname()[1]
 
 
 def start_llama_server(config: ServeConfig, log: IO[str] | None = None, ready: float = READY_SECONDS) -> LlamaServer:

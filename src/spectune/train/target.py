@@ -1,6 +1,6 @@
 """Target fine-tuning with QLoRA: the base loaded in 4-bit NF4 (bitsandbytes), a LoRA adapter on every linear
-layer (peft), trained by TRL's SFTTrainer on assistant tokens only. `merge` folds the adapter into the base
-reloaded in 16/32-bit, ready for GGUF export.
+layer (peft), trained by TRL's SFTTrainer on assistant tokens only. `merge` folds the adapter into the NF4 base it
+was trained on, dequantized to 32-bit, ready for GGUF export.
 """
 
 from __future__ import annotations
@@ -199,10 +199,24 @@ class MergeResult(BaseModel):
     model: Path
     max_logit_diff: float
     checked_tokens: int
+    merged_into: str  # "nf4 base, dequantized" (the model as trained) or "unquantized base"
 
 
-def merge(base: Path, adapter: Path, out: Path, tolerance: float = 1e-3) -> MergeResult:
-    """The standard QLoRA merge: base reloaded unquantized, adapter merged; checks merged == base + adapter."""
+def merge_base(base: Path, four_bit: bool) -> Any:
+    """The weights the adapter is folded into. After QLoRA, the NF4 base it was trained on, dequantized to f32: the
+    merged model is then the model that was trained and evaluated (merging into the unquantized original instead
+    changed the greedy answers of Gemma 3 270M on 18 of 20 SGD prompts: benchmarks/results/merge_check_*)."""
+    import torch
+
+    if not four_bit:
+        return load_base(base, four_bit=False)
+    model = load_base(base, four_bit=True)
+    return model.dequantize(dtype=torch.float32).to("cpu")
+
+
+def merge(base: Path, adapter: Path, out: Path, four_bit: bool = True, tolerance: float = 1e-3) -> MergeResult:
+    """Fold a (Q)LoRA adapter into the base it was trained on (`four_bit`: the NF4 base, dequantized); checks
+    merged == base + adapter."""
     import torch
     from peft import PeftModel
 
@@ -210,7 +224,7 @@ def merge(base: Path, adapter: Path, out: Path, tolerance: float = 1e-3) -> Merg
     if not (adapter / "adapter_config.json").is_file():
         raise SpectuneError(f"{adapter}: not a LoRA adapter folder (no adapter_config.json)")
     tokenizer = load_tokenizer(adapter if (adapter / "tokenizer_config.json").is_file() else base)
-    with_adapter = PeftModel.from_pretrained(load_base(base, four_bit=False), str(adapter))
+    with_adapter = PeftModel.from_pretrained(merge_base(base, four_bit), str(adapter))
     with_adapter.eval()
     probe = tokenizer(
         "Hello! I would like to book an appointment for Tuesday at 3 pm, please.",
@@ -227,4 +241,5 @@ def merge(base: Path, adapter: Path, out: Path, tolerance: float = 1e-3) -> Merg
     with atomic_path(out) as tmp:
         merged.save_pretrained(str(tmp))
         save_tokenizer(tokenizer, tmp)
-    return MergeResult(model=out, max_logit_diff=diff, checked_tokens=int(probe.numel()))
+    into = "nf4 base, dequantized" if four_bit else "unquantized base"
+    return MergeResult(model=out, max_logit_diff=diff, checked_tokens=int(probe.numel()), merged_into=into)
