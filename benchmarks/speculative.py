@@ -1,6 +1,8 @@
-"""Speculative decoding on llama.cpp, per draft: identical answers (and the setting used), mean/best/worst
-wall-clock speedup on this machine, acceptance, τ, the measured c and r(k+1), the predicted GPU speedup and, with
-`bench.peer: true`, our tokens/s over llama.cpp's own llama-speculative-simple on the same pair and settings.
+"""Speculative decoding on llama.cpp, per draft: identical answers (and the setting used), the aggregate wall-clock
+speedup on this machine (all tokens over all decode time) with the totals it rests on, mean/best/worst per-prompt
+speedups, TTFT and time to first sentence, acceptance, τ, the measured c and r(k+1), the predicted GPU speedup and,
+with `bench.peer: true`, llama.cpp's own figures beside ours: its llama-speculative-simple on the same pair and its
+target alone (our baseline over llama.cpp's, and each draft's speedup over llama.cpp's target alone).
 Runs a pipeline config, reusing its finished stages, and writes benchmarks/results/speculative_<name>.json/.md.
 
 Usage: python benchmarks/speculative.py configs/demo-medium.yaml --name medium
@@ -13,18 +15,15 @@ import platform
 
 from pipeline_run import RESULTS, run_from_command_line
 
-from spectune.bench.run import SUMMARY_KEYS
+from spectune.bench.run import PEER_KEYS, SUMMARY_KEYS
 
 
 def main() -> None:
     config, summary, name = run_from_command_line(__doc__)
     layout = config.layout
     manifest = json.loads(layout.manifest.read_text())
-    drafts = {}
-    for draft, s in summary["bench"].items():
-        drafts[draft] = {key: s[key] for key in SUMMARY_KEYS}
-        drafts[draft]["vs_llama_cpp"] = s.get("vs_llama_cpp")  # None: the peer was not run
-        drafts[draft]["llama_cpp_identical"] = s.get("llama_cpp_identical")
+    # None for llama.cpp's figures where the peer was not run
+    drafts = {draft: {key: s.get(key) for key in SUMMARY_KEYS + PEER_KEYS} for draft, s in summary["bench"].items()}
     result = {
         "pair": manifest["config"]["models"],
         "data": manifest["config"]["data"],

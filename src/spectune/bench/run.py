@@ -45,10 +45,16 @@ SUMMARY_KEYS = (
     "aggregate_speedup",
     "total_tokens",
     "total_seconds",
+    "target_total_seconds",
+    "ttfs_ms",
+    "target_ttfs_ms",
+    "ttft_ms",
+    "target_ttft_ms",
     "mean_speedup",
     "best_speedup",
     "worst_speedup",
     "acceptance",
+    "acceptance_by_position",
     "mean_accepted_len",
     "cost_ratio",
     "verify_ratio",
@@ -56,7 +62,17 @@ SUMMARY_KEYS = (
     "predicted_speedup_gpu",
     "gpu_cost_ratio",
 )
-PEER_KEYS = ("vs_llama_cpp", "llama_cpp_tokens_per_second", "llama_cpp_identical")
+PEER_KEYS = (  # present where --peer ran llama.cpp's own decoders
+    "vs_llama_cpp",
+    "llama_cpp_tokens_per_second",
+    "llama_cpp_acceptance",
+    "llama_cpp_identical",
+    "baseline_vs_llama_cpp",
+    "llama_cpp_target_tokens_per_second",
+    "llama_cpp_target_identical",
+    "llama_cpp_target_total",
+    "aggregate_speedup_over_llama_cpp",
+)
 
 
 class BenchSettings(Settings):
