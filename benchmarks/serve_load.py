@@ -195,7 +195,12 @@ def multi_turn(engines: list[str], prompts: list, args: argparse.Namespace) -> d
     for engine, label, own in cases:
         args_one_slot = argparse.Namespace(**{**vars(args), "slots": 1})
         with serving(engine, args.target, args.draft, args_one_slot, **own) as url:
-            ttfts = asyncio.run(conversation_ttft(url, prompts[:4], 4, 16))
+            try:
+                ttfts = asyncio.run(conversation_ttft(url, prompts[:4], 4, 16))
+            except httpx.HTTPError as error:  # reported, not fatal: the load figures above still stand
+                rows[label] = {"error": f"{type(error).__name__}: {error}"}
+                print(label, rows[label])
+                continue
         rows[label] = {
             "turns": len(ttfts),
             "p50_ttft_ms": percentile(ttfts, 0.5),
