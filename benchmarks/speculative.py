@@ -15,15 +15,14 @@ import platform
 
 from pipeline_run import RESULTS, run_from_command_line
 
-from spectune.bench.run import PEER_KEYS, SUMMARY_KEYS
+from spectune.bench.run import result_row
 
 
 def main() -> None:
     config, summary, name = run_from_command_line(__doc__)
     layout = config.layout
     manifest = json.loads(layout.manifest.read_text())
-    # None for llama.cpp's figures where the peer was not run
-    drafts = {draft: {key: s.get(key) for key in SUMMARY_KEYS + PEER_KEYS} for draft, s in summary["bench"].items()}
+    drafts = {draft: result_row(s) for draft, s in summary["bench"].items()}
     result = {
         "pair": manifest["config"]["models"],
         "data": manifest["config"]["data"],

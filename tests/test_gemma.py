@@ -80,9 +80,9 @@ def sentencepiece_gemma(folder):
     model.trainer_spec.model_type = spm.TrainerSpec.BPE
     model.trainer_spec.byte_fallback = True
     model.normalizer_spec.add_dummy_prefix = False
-    for index, (piece, kind) in enumerate(pieces):
+    for piece, kind in pieces:
         # "\u2581\u2581" scores below "\u2581b": no merge builds it, only the user-defined rule keeps it whole.
-        model.pieces.add(piece=piece, score=-100.0 if index == 260 else -1.0, type=kind)
+        model.pieces.add(piece=piece, score=-100.0 if piece == "\u2581\u2581" else -1.0, type=kind)
     folder.mkdir()
     (folder / "tokenizer.model").write_bytes(model.SerializeToString())
     ids = {"bos_token_id": 2, "eos_token_id": 1, "pad_token_id": 0}

@@ -9,7 +9,7 @@ import argparse
 import json
 from pathlib import Path
 
-from spectune.bench.run import PEER_KEYS, SUMMARY_KEYS, BenchConfig, bench
+from spectune.bench.run import BenchConfig, bench, result_row
 
 
 def main() -> None:
@@ -45,7 +45,7 @@ def main() -> None:
             plot=plot,
         )
     )
-    result = {name: {key: s.get(key) for key in SUMMARY_KEYS + PEER_KEYS} for name, s in report["summary"].items()}
+    result = {name: result_row(s) for name, s in report["summary"].items()}
     (args.out / "speculative_gpu.json").write_text(json.dumps({"target": target.name, "drafts": result}, indent=2))
     print((args.out / "report.md").read_text())
 

@@ -75,6 +75,12 @@ PEER_KEYS = (  # present where --peer ran llama.cpp's own decoders
 )
 
 
+def result_row(summary: dict[str, Any]) -> dict[str, Any]:
+    """A draft's figures as the benchmarks commit them: every summary key, and llama.cpp's (None where the peer
+    was not run)."""
+    return {key: summary[key] for key in SUMMARY_KEYS} | {key: summary.get(key) for key in PEER_KEYS}
+
+
 class BenchSettings(Settings):
     """The bench's settings: the `bench:` section of a run config and the flags of `spectune bench`."""
 
