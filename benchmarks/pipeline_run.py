@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from spectune.cli import demo_config
 from spectune.pipeline import RunConfig, load_run_config, run_pipeline
 
 RESULTS = Path(__file__).parent / "results"
@@ -20,10 +21,11 @@ def write_result(name: str, report: dict[str, Any]) -> None:
 def run_from_command_line(doc: str | None) -> tuple[RunConfig, dict[str, Any], str]:
     """(the run config, the run's summary, the result-file suffix) for `SCRIPT CONFIG.yaml --name NAME`."""
     parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("config", type=Path)
+    parser.add_argument("config", help="a run config YAML, or demo:SIZE for what `spectune demo --size SIZE` runs")
     parser.add_argument("--name", required=True, help="suffix of the result files")
     args = parser.parse_args()
-    config = load_run_config(args.config)
+    demo_size = args.config.removeprefix("demo:") if args.config.startswith("demo:") else None
+    config = demo_config(demo_size) if demo_size else load_run_config(Path(args.config))
     summary = run_pipeline(config)  # finished stages are reused from the run directory
     RESULTS.mkdir(exist_ok=True)
     return config, summary, args.name

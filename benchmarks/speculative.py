@@ -6,6 +6,7 @@ target alone (our baseline over llama.cpp's, and each draft's speedup over llama
 Runs a pipeline config, reusing its finished stages, and writes benchmarks/results/speculative_<name>.json/.md.
 
 Usage: python benchmarks/speculative.py configs/demo-medium.yaml --name medium
+       python benchmarks/speculative.py demo:demo --name demo   (what `spectune demo` runs)
 """
 
 from __future__ import annotations

@@ -10,6 +10,7 @@ import pytest
 import yaml
 from conftest import run_cli
 
+from spectune.cli import DEMO_SETTINGS, print_story
 from spectune.config import validate
 from spectune.data.read import read_dialogues, write_jsonl
 from spectune.errors import SpectuneError
@@ -47,7 +48,7 @@ def micro_config(run_dir, models_dir) -> RunConfig:
     return validate(RunConfig, values, "test")
 
 
-def test_pipeline_runs_skips_and_resumes(micro_pair, tmp_path, monkeypatch):
+def test_pipeline_runs_skips_and_resumes(micro_pair, tmp_path, monkeypatch, capsys):
     config = micro_config(tmp_path / "run", micro_pair.parent)
     import spectune.pipeline as stages_module  # the stage functions call the entry functions it imported
 
@@ -78,6 +79,11 @@ def test_pipeline_runs_skips_and_resumes(micro_pair, tmp_path, monkeypatch):
     assert set(manifest["versions"]) >= {"torch", "transformers", "trl", "peft", "bitsandbytes", "llama-cpp-python"}
     assert manifest["config"]["models"]["size"] == "micro"
     assert "identical answers" in summary["line"] and "predicted on a GPU" in summary["line"]
+    print_story(summary, config.layout)  # the demo's last lines: one row per draft, then why CPU and GPU differ
+    story = capsys.readouterr().out
+    assert all(f"{name} " in story for name in ("generic", "sft")) and story.count("2/2") == 2, story
+    assert "Why CPU and GPU differ" in story
+
     assert summary["bench"]["sft"]["identical"] == 2
     assert (tmp_path / "run" / "report.md").is_file()
     chosen = json.loads((tmp_path / "run" / "gguf" / "pair.json").read_text())
@@ -220,3 +226,9 @@ def test_the_12b_config_a_user_copies_parses_resolves_and_plans(tmp_path, capsys
     assert 11.7e9 < plan["memory_plan"]["estimate"]["params"] < 11.8e9
     assert plan["memory_plan"]["fits"]["QLoRA training, gradient checkpointing"]
     assert not (tmp_path / "run").exists()  # a dry run writes nothing
+
+
+@pytest.mark.parametrize("size", DEMO_SETTINGS)
+def test_every_demo_size_is_a_valid_run_config(size):
+    config = validate(RunConfig, {"models": {"size": size}, **DEMO_SETTINGS[size]}, "demo")
+    assert config.models.size == size and config.drafts.methods

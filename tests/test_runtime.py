@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from collections import Counter
 
 import numpy as np
@@ -44,6 +47,32 @@ def unpack(generation: Generation) -> tuple[list[int], Stats]:
 
 def load(path, n_ctx=512):
     return LlamaModel(path, n_ctx=n_ctx, threads=1, exact=True)
+
+
+EXACT_AFTER_INEXACT = """
+import sys
+import numpy as np
+from spectune.runtime.llama import LlamaModel
+path = sys.argv[1]
+first = LlamaModel(path, n_ctx=256, threads=1, exact=False)  # ggml decides its tiled matmul at the first batch
+tokens = first.tokenize("Book a table for four at seven tonight near the station, please. " * 4)[:48]
+first.decode(tokens, 0, all_logits=False)
+model = LlamaModel(path, n_ctx=256, threads=1, exact=True)
+batched = model.decode(tokens, 0, all_logits=False)[-1]
+model.truncate(0)
+one_by_one = [model.decode([token], position)[-1] for position, token in enumerate(tokens)][-1]
+print(float(np.abs(batched - one_by_one).max()))
+"""
+
+
+def test_an_exact_model_stays_exact_after_an_inexact_one_in_the_same_process(ggufs):
+    """ggml reads its tiled-matmul switch once per process: a non-exact model decoding first (seqkd's answers
+    before the bench, in one `spectune run`) must not leave it on for exact ones. A fresh interpreter, since this
+    test process has long since decided it."""
+    script = [sys.executable, "-c", EXACT_AFTER_INEXACT, str(ggufs["Q4_K_M"]["target"])]
+    result = subprocess.run(script, capture_output=True, text=True, env={**os.environ, "GGML_CPU_TILED_MM": "1"})
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert float(result.stdout.split()[-1]) == 0.0  # a 48-token prefill's last row, bit for bit
 
 
 @pytest.mark.parametrize("quant", QUANTS)

@@ -13,7 +13,7 @@ from spectune.data.read import read_dialogues
 from spectune.errors import SpectuneError
 from spectune.export.gguf import export_model
 from spectune.models.load import load_tokenizer
-from spectune.speedup import expected_tokens, speedup
+from spectune.speedup import expected_tokens, speedup, speedup_of_steps
 from spectune.train.acceptance import AcceptanceConfig, run_acceptance, simulate_tau
 from spectune.train.draft import (
     TEACHER_GGUF,
@@ -144,6 +144,16 @@ def test_simulated_tau_on_known_sequences():
 def test_speedup_formula():
     assert speedup(3.0, 4, 0.1, 1.0) == pytest.approx(3.0 / 1.4)
     assert speedup(expected_tokens(0.0, 4), 4, 0.1, 1.0) < 1.0  # a useless draft slows decoding down
+
+
+def test_speedup_counts_the_drafts_each_step_really_made():
+    # 4 steps: one drafted nothing (an answer's last step), two drafted 1 token, one drafted 2
+    profile = {"2": 1.5, "3": 2.0}
+    expected_cost = 1 * 1.0 + 2 * (1.5 + 0.1) + 1 * (2.0 + 0.2)
+    assert speedup_of_steps(2.0, [3, 1], 4, 0.1, profile) == pytest.approx(2.0 * 4 / expected_cost)
+    assert speedup_of_steps(2.0, [3, 1], 4, 0.1, None) == pytest.approx(2.0 * 4 / 4.4)  # r = 1: a GPU
+    # every step drafting k gives the formula on k
+    assert speedup_of_steps(3.0, [5, 5, 5, 5], 5, 0.1, None) == pytest.approx(speedup(3.0, 4, 0.1, 1.0))
 
 
 def test_divergences():

@@ -37,7 +37,7 @@ from spectune.export.profile import profile_pair
 from spectune.layout import CONTROL_DRAFT, TARGET, RunLayout
 from spectune.models.derive import derive_draft
 from spectune.models.imported import REAL_MODELS, fetch
-from spectune.models.world import build_pair
+from spectune.models.world import RECIPES, build_pair
 from spectune.threads import configure_torch_threads, thread_count
 from spectune.train.acceptance import AcceptanceConfig, AcceptanceSettings, run_acceptance
 from spectune.train.draft import DraftConfig, DraftSettings, Method, method_problems, train_draft
@@ -57,7 +57,7 @@ class DataSettings(Settings):
 
 
 class ModelsSettings(Settings):
-    size: Literal["micro", "small", "medium"] | None = Field("small", description="A demo-world pair ...")
+    size: Literal[tuple(RECIPES)] | None = Field("small", description="A demo-world pair ...")  # type: ignore[valid-type]
     fetch: Literal[tuple(REAL_MODELS)] | None = Field(  # type: ignore[valid-type]
         None, description="... or a real model that installs offline (`spectune models fetch`) as the target ..."
     )

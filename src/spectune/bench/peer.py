@@ -65,7 +65,7 @@ def run_peer(
         *("-t", str(threads), "-tb", str(threads), "-td", str(threads), "-tbd", str(threads)),
         *(("--no-repack", "-fa", "off") if exact else ()),
     ]
-    env = {**os.environ, **({"GGML_CPU_TILED_MM": "0"} if exact else {})}
+    env = {**os.environ, **server_env(exact, None)}
     # llama.cpp's logger is an unflushed background queue, so its closing stats are lost at exit about half the
     # time (upstream issue 22142): run again until they come through.
     for _attempt in range(LOG_ATTEMPTS):

@@ -33,7 +33,7 @@ from spectune.runtime.chat import CLAUSE_END, chat_prompt
 from spectune.runtime.llama import LlamaModel
 from spectune.runtime.profile import measure_profile
 from spectune.runtime.speculative import Generation, SamplingConfig, SpeculativeDecoder
-from spectune.speedup import DEFAULT_DRAFT_MAX, speedup, verify_ratio_at
+from spectune.speedup import DEFAULT_DRAFT_MAX, speedup_of_steps, verify_ratio_at
 
 console = Console()
 # What benchmarks/speculative.py and benchmarks/gpu/bench.py keep of each draft's summary.
@@ -58,6 +58,7 @@ SUMMARY_KEYS = (
     "mean_accepted_len",
     "cost_ratio",
     "verify_ratio",
+    "mean_drafted_per_step",
     "predicted_speedup_here",
     "predicted_speedup_gpu",
     "gpu_cost_ratio",
@@ -68,7 +69,8 @@ PEER_KEYS = (  # present where --peer ran llama.cpp's own decoders
     "llama_cpp_acceptance",
     "llama_cpp_identical",
     "baseline_vs_llama_cpp",
-    "llama_cpp_target_tokens_per_second",
+    "target_ms_per_decode",
+    "llama_cpp_target_ms_per_decode",
     "llama_cpp_target_identical",
     "llama_cpp_target_total",
     "aggregate_speedup_over_llama_cpp",
@@ -272,6 +274,7 @@ def prompt_row(
         row["variants"][name] = {
             "tokens": stats[0].generated,
             "tokens_per_second": statistics.median(s.tokens_per_second for s in stats),
+            "decode_seconds": statistics.median(s.total_seconds - s.prefill_seconds for s in stats),
             "ttft_ms": 1000 * statistics.median(s.ttft_seconds for s in stats),
             "ttfs_ms": 1000 * statistics.median(t.ttfs_seconds for t in timed),
             "acceptance": stats[0].acceptance_rate,
@@ -289,13 +292,19 @@ def prompt_row(
         variant["speedup"] = variant["tokens_per_second"] / base if base else 0.0
     for name, results in peer_runs.items():
         peer_tps = statistics.median(r.tokens_per_second for r in results)
-        row["variants"][name]["llama_cpp"] = {
+        ours = row["variants"][name]
+        # llama.cpp counts the end token it produced: so does `produced`, over the same decode span as its own
+        ours_tps = ours["produced"] / ours["decode_seconds"] if ours["decode_seconds"] else 0.0
+        ours["llama_cpp"] = {
             "tokens": results[0].decoded_tokens,
+            "seconds": statistics.median(r.seconds for r in results),
             "tokens_per_second": peer_tps,
+            "drafted": results[0].drafted,
+            "accepted": results[0].accepted,
             "acceptance": results[0].accepted / results[0].drafted if results[0].drafted else 0.0,
             # the speculative tool prints the prompt before the answer; the server returns the answer alone
             "identical": all(answer.strip() in r.text for r in results),
-            "ours_over_llama_cpp": row["variants"][name]["tokens_per_second"] / peer_tps if peer_tps else 0.0,
+            "ours_over_llama_cpp": ours_tps / peer_tps if peer_tps else 0.0,
         }
     return row
 
@@ -340,8 +349,7 @@ def peer_runner(config: BenchConfig, target: LlamaModel) -> Callable[[str, str],
 
 def totals(variants: list[dict[str, Any]]) -> tuple[int, float]:
     """Tokens and decode seconds summed over the prompts (each prompt's median run)."""
-    tokens = sum(v["tokens"] for v in variants)
-    return tokens, sum(v["tokens"] / v["tokens_per_second"] for v in variants if v["tokens_per_second"])
+    return sum(v["tokens"] for v in variants), sum(v["decode_seconds"] for v in variants)
 
 
 def _summary(name: str, rows: list[dict], profile: dict, config: BenchConfig, draft_path: Path) -> dict[str, Any]:
@@ -350,19 +358,15 @@ def _summary(name: str, rows: list[dict], profile: dict, config: BenchConfig, dr
     # The headline: all tokens over all decode time, with the draft over the target alone (a mean of per-prompt
     # ratios weighs short answers as much as long ones).
     (tokens, seconds), (_, target_seconds) = totals(variants), totals([row["variants"][TARGET] for row in rows])
-    drafted = sum(sum(v["drafted_at"]) for v in variants)
-    accepted = sum(sum(v["accepted_at"]) for v in variants)
     # Pooled over prompts (tokens / steps), as the offline meter pools: short answers do not weigh more.
-    tau = sum(v["produced"] for v in variants) / max(1, sum(v["verify_steps"] for v in variants))
+    drafted_at, accepted_at = (pooled_by_position(variants, key) for key in ("drafted_at", "accepted_at"))
+    drafted, accepted = sum(drafted_at), sum(accepted_at)
+    steps = sum(v["verify_steps"] for v in variants)
+    tau = sum(v["produced"] for v in variants) / max(1, steps)
     k = draft_length(config, name)
     cost_ratio = profile["cost_ratio"]
     gpu_c = config.gpu_cost_ratio.get(name) or draft_path.stat().st_size / config.target.stat().st_size
-    positions = max((len(v["drafted_at"]) for v in variants), default=0)
-    per_position = []
-    for position in range(positions):
-        d = sum(v["drafted_at"][position] for v in variants if position < len(v["drafted_at"]))
-        a = sum(v["accepted_at"][position] for v in variants if position < len(v["accepted_at"]))
-        per_position.append(a / d if d else 0.0)
+    per_position = [a / d if d else 0.0 for d, a in zip(drafted_at, accepted_at, strict=True)]
     return {
         **versus_llama_cpp(variants, [row["variants"][TARGET] for row in rows], seconds),
         "n": len(rows),
@@ -386,39 +390,58 @@ def _summary(name: str, rows: list[dict], profile: dict, config: BenchConfig, dr
         "cost_ratio": cost_ratio,
         "verify_ratio": verify_ratio_at(profile["verify_ratio"], k + 1),
         "profile": profile,
-        "predicted_speedup_here": speedup(tau, k, cost_ratio, verify_ratio_at(profile["verify_ratio"], k + 1)),
+        "mean_drafted_per_step": drafted / steps if steps else 0.0,
+        # The step-cost model on the drafts each step really made (k at most): see speedup_of_steps
+        "predicted_speedup_here": speedup_of_steps(tau, drafted_at, steps, cost_ratio, profile["verify_ratio"]),
         "gpu_cost_ratio": gpu_c,
-        "predicted_speedup_gpu": speedup(tau, k, gpu_c, 1.0),
+        "predicted_speedup_gpu": speedup_of_steps(tau, drafted_at, steps, gpu_c, None),
     }
+
+
+def pooled_by_position(variants: list[dict[str, Any]], key: str) -> list[int]:
+    """A per-draft-position count (drafted_at or accepted_at) summed over the prompts."""
+    positions = max((len(v[key]) for v in variants), default=0)
+    return [sum(v[key][i] for v in variants if i < len(v[key])) for i in range(positions)]
 
 
 def versus_llama_cpp(variants: list[dict], target_alone: list[dict], seconds: float) -> dict[str, Any]:
     """llama.cpp's own figures beside ours, where --peer ran them: its speculative decoder on this pair, and its
     target alone, the baseline (aggregates: all tokens over all decode seconds)."""
     report: dict[str, Any] = {}
-    peer = [v["llama_cpp"] for v in variants if "llama_cpp" in v]
-    if peer:
+    with_peer = [v for v in variants if "llama_cpp" in v]
+    if with_peer:
+        # Pooled over prompts as ours are (a mean of per-prompt rates read 42% where the pooled count read 32%)
+        peer = [v["llama_cpp"] for v in with_peer]
+        peer_seconds, ours_seconds = sum(p["seconds"] for p in peer), sum(v["decode_seconds"] for v in with_peer)
+        peer_rate = sum(p["tokens"] for p in peer) / peer_seconds if peer_seconds else 0.0
+        ours_rate = sum(v["produced"] for v in with_peer) / ours_seconds if ours_seconds else 0.0
+        drafted = sum(p["drafted"] for p in peer)
         report |= {
-            "vs_llama_cpp": statistics.median(p["ours_over_llama_cpp"] for p in peer),
-            "llama_cpp_tokens_per_second": statistics.mean(p["tokens_per_second"] for p in peer),
-            "llama_cpp_acceptance": statistics.mean(p["acceptance"] for p in peer),
+            "vs_llama_cpp": ours_rate / peer_rate if peer_rate else 0.0,
+            "llama_cpp_tokens_per_second": peer_rate,
+            "llama_cpp_acceptance": sum(p["accepted"] for p in peer) / drafted if drafted else 0.0,
             "llama_cpp_identical": sum(p["identical"] for p in peer),
         }
     baseline = [v["llama_cpp"] for v in target_alone if "llama_cpp" in v]
     if baseline:
-        llama_tokens, llama_seconds = totals(baseline)
-        ours_tokens, ours_seconds = totals(target_alone)
-        llama_rate = llama_tokens / llama_seconds if llama_seconds else 0.0
+        # Time per target decode, both sides: llama-server's clock runs from its first token (sampled off the
+        # prompt's batch) to its last, n - 1 decodes for n tokens (the end token among them); ours counts every
+        # decode after the prefill, the end token's too. Tokens per second would charge us one decode more per
+        # answer than llama.cpp: 9% on 20-token answers.
+        llama_steps, llama_seconds = sum(b["tokens"] - 1 for b in baseline), sum(b["seconds"] for b in baseline)
+        ours_steps, ours_seconds = sum(v["verify_steps"] for v in target_alone), totals(target_alone)[1]
+        llama_step = llama_seconds / llama_steps if llama_steps else 0.0
+        ours_step = ours_seconds / ours_steps if ours_steps else 0.0
         report |= {
             # < 1: our target-alone loop is slower than llama.cpp's, and every speedup over it is inflated by that
-            "baseline_vs_llama_cpp": ours_tokens / ours_seconds / llama_rate if ours_seconds and llama_rate else 0.0,
-            "llama_cpp_target_tokens_per_second": llama_rate,
+            "baseline_vs_llama_cpp": llama_step / ours_step if ours_step else 0.0,
+            "target_ms_per_decode": 1000 * ours_step,
+            "llama_cpp_target_ms_per_decode": 1000 * llama_step,
             "llama_cpp_target_identical": sum(b["identical"] for b in baseline),
-            "llama_cpp_target_total": [llama_tokens, llama_seconds],
-            # the claim a skeptic accepts: with the draft, over llama.cpp's own target alone
-            "aggregate_speedup_over_llama_cpp": sum(v["tokens"] for v in variants) / seconds / llama_rate
-            if seconds and llama_rate
-            else 0.0,
+            "llama_cpp_target_total": [llama_steps, llama_seconds],
+            # the claim a skeptic accepts: with the draft, over llama.cpp's target alone decoding the same answers
+            # (our decodes at its time per decode); = aggregate_speedup x baseline_vs_llama_cpp
+            "aggregate_speedup_over_llama_cpp": llama_step * ours_steps / seconds if seconds else 0.0,
         }
     return report
 
@@ -466,8 +489,9 @@ def markdown(report: dict[str, Any]) -> str:
         "",
         "Speedup here, aggregate: all tokens over all decode seconds with the draft, over the same for the target "
         "alone (the tokens and seconds are shown); the per-prompt mean weighs a short answer as much as a long one.",
-        "Predicted GPU speedup: τ / (1 + k·c), decoding memory-bound (r = 1), c from the GGUF size ratio. "
-        "Predicted here: τ / (r(k+1) + k·c) with this machine's measured r and c; on a small CPU verification is "
+        "Predicted GPU speedup: τ / (1 + d·c), decoding memory-bound (r = 1), c from the GGUF size ratio, d the "
+        "tokens a step really drafted (at most k: a draft stops at an end token), averaged over the steps. "
+        "Predicted here: τ / (r(d+1) + d·c) with this machine's measured r and c; on a small CPU verification is "
         "compute-bound (r(k+1) well above 1), so only a draft with a high τ gains wall-clock time here.",
         "",
     ]
@@ -504,10 +528,11 @@ def llama_cpp_lines(report: dict[str, Any]) -> list[str]:
         lines += [
             "",
             f"Baseline check: the target alone through llama.cpp's own loop (llama-server, same GGUF, threads and "
-            f"settings) ran {first['llama_cpp_target_tokens_per_second']:.1f} tok/s "
-            f"({first['llama_cpp_target_total'][0]} tokens in {first['llama_cpp_target_total'][1]:.2f} s; same answer "
-            f"on {first['llama_cpp_target_identical']}/{first['n']} prompts); ours / llama.cpp's = "
-            f"{first['baseline_vs_llama_cpp']:.2f}. With each draft over llama.cpp's target alone: "
+            f"settings) took {first['llama_cpp_target_ms_per_decode']:.2f} ms per decode "
+            f"({first['llama_cpp_target_total'][0]} decodes in {first['llama_cpp_target_total'][1]:.2f} s; same answer "
+            f"on {first['llama_cpp_target_identical']}/{first['n']} prompts), ours {first['target_ms_per_decode']:.2f} "
+            f"ms: llama.cpp's / ours = {first['baseline_vs_llama_cpp']:.2f}. With each draft over llama.cpp's target "
+            "alone: "
             + ", ".join(f"{name} {s['aggregate_speedup_over_llama_cpp']:.2f}x" for name, s in baselines.items())
             + ".",
         ]

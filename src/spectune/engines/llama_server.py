@@ -63,8 +63,9 @@ def server_command(
 
 
 def server_env(exact: bool, api_key: str | None) -> dict[str, str]:
-    """The variables the server needs on top of the caller's environment."""
-    env = {"GGML_CPU_TILED_MM": "0"} if exact else {}
+    """The variables a llama.cpp tool needs on top of the caller's environment. The tiled matmul is set both ways:
+    spectune's own process always has it off (runtime/llama.py), and a non-exact tool runs llama.cpp's default."""
+    env = {"GGML_CPU_TILED_MM": "0" if exact else "1"}
     return {**env, "LLAMA_API_KEY": api_key} if api_key else env
 
 

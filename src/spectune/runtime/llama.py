@@ -2,10 +2,14 @@
 decode a batch of tokens at given positions, read logits, and roll the KV cache back.
 
 `exact=True` makes batched logits match one-token logits on the CPU backend: no weight repacking
-(`use_extra_bufts = False`, llama.cpp's --no-repack), no tiled K-quant matmul (GGML_CPU_TILED_MM=0) and no flash
-attention (its batched kernel differed from the one-token one by up to 0.03 in the logits past a few hundred tokens
-of context; without it the difference is ~1e-6), so speculative greedy output equals plain greedy output at 4 bits.
-It costs 8–29% per token (see DESIGN.md).
+(`use_extra_bufts = False`, llama.cpp's --no-repack) and no flash attention (its batched kernel differed from the
+one-token one by up to 0.03 in the logits past a few hundred tokens of context; without it the difference is ~1e-6),
+so speculative greedy output equals plain greedy output at 4 bits. It costs 8–29% per token (see DESIGN.md).
+
+The tiled K-quant matmul is off in every process, whatever `exact` says: ggml reads GGML_CPU_TILED_MM once, at the
+first batched matmul, and keeps it for the life of the process, so a non-exact model that ran first (seqkd's answer
+generation before the bench, in one `spectune run`) left it on for every exact model after it. It only changes
+batched (prefill) numerics, so the answers then differed from llama.cpp's own on 9 of 20 tuned-Gemma prompts.
 """
 
 from __future__ import annotations
@@ -24,13 +28,12 @@ from spectune.threads import thread_count
 _backend_ready = False
 
 
-def init_backend(exact: bool = True) -> None:
+def init_backend() -> None:
     """Initialise libllama once, with its logging silenced (errors surface as SpectuneError instead)."""
     global _backend_ready
     import llama_cpp
 
-    if exact:
-        os.environ["GGML_CPU_TILED_MM"] = "0"  # read by ggml when a matmul is first planned
+    os.environ["GGML_CPU_TILED_MM"] = "0"  # process-wide, read once by ggml (see the module's docstring)
     if not _backend_ready and os.environ.get("SPECTUNE_LLAMA_LOG"):  # debugging: keep llama.cpp's own log
         llama_cpp.llama_backend_init()
         _backend_ready = True
@@ -59,7 +62,7 @@ class LlamaModel:
         self.path = Path(path)
         if not self.path.is_file():
             raise SpectuneError(f"{self.path}: no such GGUF file")
-        init_backend(exact)
+        init_backend()
         self.lib = llama_cpp
         self.exact = exact
         model_params = llama_cpp.llama_model_default_params()
