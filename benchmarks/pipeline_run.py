@@ -7,8 +7,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from spectune.cli import demo_config
-from spectune.pipeline import RunConfig, load_run_config, run_pipeline
+from spectune.pipeline import RunConfig, demo_config, load_run_config, run_pipeline
 
 RESULTS = Path(__file__).parent / "results"
 

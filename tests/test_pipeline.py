@@ -10,11 +10,12 @@ import pytest
 import yaml
 from conftest import run_cli
 
-from spectune.cli import DEMO_SETTINGS, print_story
+from spectune.cli import print_story
 from spectune.config import validate
 from spectune.data.read import read_dialogues, write_jsonl
 from spectune.errors import SpectuneError
 from spectune.pipeline import (
+    DEMO_SETTINGS,
     DRAFT_FIELDS,
     TARGET_FIELDS,
     Context,

@@ -36,7 +36,7 @@ from spectune.models.imported import REAL_MODELS, import_gguf
 from spectune.models.imported import fetch as fetch_real_model
 from spectune.models.load import load_tokenizer
 from spectune.models.world import RECIPES, build_pair, pair_dir, read_manifest
-from spectune.pipeline import RunConfig, load_run_config, run_pipeline
+from spectune.pipeline import demo_config, load_run_config, run_pipeline
 from spectune.pipeline import dry_run as plan_run
 from spectune.runtime.build import build_features, build_name, identity_verdict
 from spectune.runtime.chat import chat_prompt
@@ -517,36 +517,6 @@ def run_command(
     console.print(summary["line"], markup=False)
 
 
-DEMO_SETTINGS = {
-    # Sized so the whole story fits in about 15 minutes on 2 CPU cores after install, the pair's build included, and
-    # the bench times over 2,000 tokens per variant (answers average 12 tokens: every held-out dialogue is a prompt).
-    "demo": {
-        "finetune": {"max_steps": 80, "lr": 2e-3, "max_tokens": 256},
-        "drafts": {
-            "methods": ["sft", "kd", "seqkd"],
-            "max_steps": 80,
-            "lr": 2e-3,
-            "max_tokens": 256,
-            "overrides": {"seqkd": {"max_train": 640}},  # the dialogues 80 steps of 8 read
-        },
-        "acceptance": {"n": 20, "max_new_tokens": 48},
-        "bench": {"n": 200, "repeats": 2, "max_tokens": 48},
-    },
-    "micro": {
-        "finetune": {"max_steps": 100, "lr": 5e-3, "max_tokens": 256},
-        "drafts": {"max_steps": 80, "lr": 3e-3, "max_tokens": 256},
-        "acceptance": {"n": 10, "max_new_tokens": 32},
-        "bench": {"n": 5, "repeats": 1, "max_tokens": 32},
-    },
-    "medium": {
-        "finetune": {"max_steps": 400, "lr": 1e-3, "max_tokens": 256},
-        "drafts": {"max_steps": 400, "lr": 2e-3, "max_tokens": 256},
-        "acceptance": {"n": 30, "max_new_tokens": 64},
-        "bench": {"n": 20, "repeats": 3, "max_tokens": 64},
-    },
-}
-
-
 @app.command()
 def demo(
     size: Annotated[str, typer.Option(help="demo (default), micro (a quick look) or medium (~1 h).")] = "demo",
@@ -565,15 +535,6 @@ def demo(
     )
     summary = run_pipeline(config)
     print_story(summary, config.layout)
-
-
-def demo_config(size: str, run_dir: Path | None = None) -> RunConfig:
-    """The run config `spectune demo --size SIZE` runs (benchmarks/speculative.py takes it as demo:SIZE)."""
-    if size not in DEMO_SETTINGS:
-        raise SpectuneError(f"unknown demo size {size!r}: choose one of {', '.join(DEMO_SETTINGS)}")
-    default_dir = Path("runs") / ("demo" if size == "demo" else f"demo-{size}")
-    values = {"run_dir": str(run_dir or default_dir), "models": {"size": size}, **DEMO_SETTINGS[size]}
-    return validate(RunConfig, values, "demo")
 
 
 def print_story(summary: dict[str, Any], layout: RunLayout) -> None:

@@ -143,6 +143,45 @@ def check_paths(config: RunConfig, source: str) -> None:
         raise SpectuneError(f"{source}: {len(problems)} config error(s)", problems)
 
 
+DEMO_SETTINGS = {
+    # Sized so the whole story fits in about 15 minutes on 2 CPU cores after install, the pair's build included, and
+    # the bench times over 2,000 tokens per variant (answers average 12 tokens: every held-out dialogue is a prompt).
+    "demo": {
+        "finetune": {"max_steps": 80, "lr": 2e-3, "max_tokens": 256},
+        "drafts": {
+            "methods": ["sft", "kd", "seqkd"],
+            "max_steps": 80,
+            "lr": 2e-3,
+            "max_tokens": 256,
+            "overrides": {"seqkd": {"max_train": 640}},  # the dialogues 80 steps of 8 read
+        },
+        "acceptance": {"n": 20, "max_new_tokens": 48},
+        "bench": {"n": 200, "repeats": 2, "max_tokens": 48},
+    },
+    "micro": {
+        "finetune": {"max_steps": 100, "lr": 5e-3, "max_tokens": 256},
+        "drafts": {"max_steps": 80, "lr": 3e-3, "max_tokens": 256},
+        "acceptance": {"n": 10, "max_new_tokens": 32},
+        "bench": {"n": 5, "repeats": 1, "max_tokens": 32},
+    },
+    "medium": {
+        "finetune": {"max_steps": 400, "lr": 1e-3, "max_tokens": 256},
+        "drafts": {"max_steps": 400, "lr": 2e-3, "max_tokens": 256},
+        "acceptance": {"n": 30, "max_new_tokens": 64},
+        "bench": {"n": 20, "repeats": 3, "max_tokens": 64},
+    },
+}
+
+
+def demo_config(size: str, run_dir: Path | None = None) -> RunConfig:
+    """The run config `spectune demo --size SIZE` runs (benchmarks/speculative.py takes it as demo:SIZE)."""
+    if size not in DEMO_SETTINGS:
+        raise SpectuneError(f"unknown demo size {size!r}: choose one of {', '.join(DEMO_SETTINGS)}")
+    default_dir = Path("runs") / ("demo" if size == "demo" else f"demo-{size}")
+    values = {"run_dir": str(run_dir or default_dir), "models": {"size": size}, **DEMO_SETTINGS[size]}
+    return validate(RunConfig, values, "demo")
+
+
 def load_run_config(path: Path) -> RunConfig:
     config = validate(RunConfig, read_yaml(path), str(path))
     check_paths(config, str(path))
