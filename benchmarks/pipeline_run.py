@@ -17,12 +17,21 @@ def write_result(name: str, report: dict[str, Any]) -> None:
     (RESULTS / name).write_text(json.dumps(report, indent=2).replace(str(Path.home()), "~"))
 
 
-def run_from_command_line(doc: str | None) -> tuple[RunConfig, dict[str, Any], str]:
-    """(the run config, the run's summary, the result-file suffix) for `SCRIPT CONFIG.yaml --name NAME`."""
+def command_line(doc: str | None, switches: dict[str, str] | None = None) -> argparse.Namespace:
+    """`SCRIPT CONFIG.yaml --name NAME` and the script's own on/off `switches` (flag -> help)."""
     parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("config", help="a run config YAML, or demo:SIZE for what `spectune demo --size SIZE` runs")
     parser.add_argument("--name", required=True, help="suffix of the result files")
-    args = parser.parse_args()
+    for flag, help_text in (switches or {}).items():
+        parser.add_argument(flag, action="store_true", help=help_text)
+    return parser.parse_args()
+
+
+def run_from_command_line(
+    doc: str | None, args: argparse.Namespace | None = None
+) -> tuple[RunConfig, dict[str, Any], str]:
+    """(the run config, the run's summary, the result-file suffix) for `SCRIPT CONFIG.yaml --name NAME`."""
+    args = args or command_line(doc)
     demo_size = args.config.removeprefix("demo:") if args.config.startswith("demo:") else None
     config = demo_config(demo_size) if demo_size else load_run_config(Path(args.config))
     summary = run_pipeline(config)  # finished stages are reused from the run directory

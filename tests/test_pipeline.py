@@ -207,6 +207,21 @@ def test_the_stage_table_declares_what_each_stage_reads():
     assert table["draft:seqkd"].settings(with_override) != table["draft:sft"].settings(with_override)
 
 
+def test_a_method_started_from_another_trains_after_it_and_reruns_with_it():
+    drafts = {"methods": ["speckd", "sft", "seqkd"], "start_from": {"speckd": "seqkd"}}
+    config = validate(RunConfig, {"drafts": drafts}, "test")
+    names = [stage.name for stage in stages(config)]
+    assert names.index("draft:seqkd") < names.index("draft:speckd")
+    table = {stage.name: stage for stage in stages(config)}
+    assert "draft:seqkd" in table["draft:speckd"].needs and "draft:seqkd" not in table["draft:sft"].needs
+    for start_from, error in (({"speckd": "kd"}, "must both be in methods"), ({"speckd": "speckd"}, "cycle")):
+        with pytest.raises(SpectuneError) as raised:
+            validate(RunConfig, {"drafts": {**drafts, "start_from": start_from}}, "test")
+        assert error in str(raised.value), raised.value
+    with pytest.raises(SpectuneError):
+        validate(RunConfig, {"drafts": {**drafts, "start_from": {"speckd": "seqkd", "seqkd": "speckd"}}}, "test")
+
+
 def test_the_12b_config_a_user_copies_parses_resolves_and_plans(tmp_path, capsys):
     """configs/gemma-12b.yaml with its paths pointed at folders holding the 12B's and 1B's shapes: every stage's
     settings resolve and the memory plan is the 12B's (nothing runs)."""

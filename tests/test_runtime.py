@@ -257,5 +257,5 @@ def test_offline_acceptance_matches_the_runtime(ggufs, tuned_target, sft_draft, 
         for prompt, flags in zip(prompts, matches, strict=True):
             ids = target.tokenize(chat_prompt(target, prompt.messages))
             stats = decoder.generate(ids, SamplingConfig(max_tokens, draft_max=k)).stats
-            exact += stats.produced / stats.verify_steps == pytest.approx(simulate_tau([flags], k)[0], rel=1e-9)
+            exact += stats.produced / stats.verify_steps == pytest.approx(simulate_tau([flags], k).tau, rel=1e-9)
         assert exact >= 8, (quant, k, exact)  # the meter simulates the engine; at most 2 of 10 prompts hit a near-tie

@@ -1,4 +1,5 @@
-"""Drafts that think like the target (sft, kd, seqkd, onpolicy) and the offline acceptance meter, on the micro pair."""
+"""Drafts that think like the target (sft, kd, seqkd, onpolicy, speckd) and the offline acceptance meter, on the micro
+pair."""
 
 from __future__ import annotations
 
@@ -34,7 +35,7 @@ STEPS = {"batch_size": 8, "max_tokens": 256, "max_eval": 16}
 def draft_config(micro_pair, tuned_target, demo_data, out, method: str, **options) -> DraftConfig:
     return DraftConfig(
         target=tuned_target,
-        draft=micro_pair / "draft",
+        draft=options.pop("draft", micro_pair / "draft"),
         data=demo_data,
         out=out,
         method=method,
@@ -58,6 +59,10 @@ def drafts(micro_pair, tuned_target, sft_draft, demo_data, tmp_path_factory):
             draft_config(micro_pair, tuned_target, demo_data, out, name.split("-")[0], **options)
         )
         assert not stale.exists()  # a fresh run never resumes into another run's checkpoint
+    speckd_out = tmp_path_factory.mktemp("speckd")  # started from seqkd's draft, as configs start it
+    results["speckd"] = train_draft(
+        draft_config(micro_pair, tuned_target, demo_data, speckd_out, "speckd", draft=results["seqkd"].model)
+    )
     results["sft"] = DraftResult.model_validate(json.loads((sft_draft.parent / "draft.json").read_text())["result"])
     return results
 
@@ -69,6 +74,14 @@ def test_every_method_trains_and_reports(drafts):
         if name != "onpolicy":  # its eval loss is on freshly sampled answers: too noisy for 20 steps
             assert result.eval_loss_after < result.eval_loss_before, name
     assert drafts["seqkd"].teacher_seconds > 0 and drafts["kd-top64"].teacher_seconds > 0
+
+
+def test_speckd_continues_seqkd_on_the_targets_answers_with_total_variation(drafts):
+    speckd, seqkd = drafts["speckd"], drafts["seqkd"]
+    assert not (speckd.model.parent / TEACHER_GGUF).exists()  # seqkd's answers, from the cache
+    assert speckd.teacher_seconds < seqkd.teacher_seconds
+    assert speckd.trained_tokens == seqkd.trained_tokens  # the same dialogues: the target's answers
+    assert 0.0 < speckd.eval_loss_after < speckd.eval_loss_before <= 1.0  # a total variation, not a KL
 
 
 def test_seqkd_reuses_the_targets_answers(drafts, micro_pair, tuned_target, demo_data, tmp_path):
@@ -100,12 +113,13 @@ def test_sft_beats_generic_on_held_out_prompts(micro_pair, tuned_target, drafts,
     report = run_acceptance(config)
     alpha = {row["name"]: row["alpha"] for row in report["drafts"]}
     print(alpha)
-    for name in ("sft", "kd", "kd-top64", "seqkd"):
+    for name in ("sft", "kd", "kd-top64", "seqkd", "speckd"):
         assert alpha[name] > alpha["generic"] + 0.05, alpha
     for row in report["drafts"]:
         assert row["tokens"] > 0 and 0.0 <= row["alpha"] <= 1.0
         assert 0.0 <= row["alpha_sampled"] <= 1.0
         assert set(row["tau_simulated"]) == {str(k) for k in range(1, 9)}
+        assert row["alpha_by_position"]["1"] <= 1.0 and set(row["alpha_by_position"]) <= set(row["tau_simulated"])
         assert all(1.0 <= tau <= k + 1 for k, tau in ((int(k), t) for k, t in row["tau_simulated"].items()))
         gpu = row["speedup"]["gpu"]
         assert gpu[str(row["recommended_k"])] == max(gpu.values()) or row["recommended_k"] == 1
@@ -130,15 +144,18 @@ def test_tau_formula_matches_a_simulation():
     for alpha in (0.2, 0.5, 0.8, 0.95):
         matches = [[rng.random() < alpha for _ in range(400)] for _ in range(50)]
         for k in (1, 3, 5, 8):
-            simulated, _ = simulate_tau(matches, k)
+            simulated = simulate_tau(matches, k).tau
             assert simulated == pytest.approx(expected_tokens(alpha, k), rel=0.03), (alpha, k)
 
 
 def test_simulated_tau_on_known_sequences():
-    assert simulate_tau([[True] * 10], 4)[0] == 5.0  # 4 accepted + bonus, twice
-    assert simulate_tau([[False] * 6], 4)[0] == 1.0  # every step yields only the target's own token
-    tau, runs = simulate_tau([[True, True, False, True]], 8)
-    assert tau == 2.0 and runs == {2: 1, 1: 1}
+    assert simulate_tau([[True] * 10], 4).tau == 5.0  # 4 accepted + bonus, twice
+    assert simulate_tau([[False] * 6], 4).tau == 1.0  # every step yields only the target's own token
+    replay = simulate_tau([[True, True, False, True]], 8)
+    assert replay.tau == 2.0 and replay.runs == {2: 1, 1: 1}
+    # step 1 verifies positions 1-3 (rejects the third), step 2 position 1 of the last token, then the text ends
+    assert replay.reached[:4] == [2, 1, 1, 0] and replay.accepted[:4] == [2, 1, 0, 0]
+    assert replay.alpha_by_position() == {1: 1.0, 2: 1.0, 3: 0.0}
 
 
 def test_speedup_formula():
@@ -174,6 +191,20 @@ def test_divergences():
     assert masked == 0.0
 
 
+def test_greedy_tv_is_one_minus_the_drafts_chance_of_the_targets_greedy_token():
+    torch.manual_seed(0)
+    student, teacher = torch.randn(2, 5, 32), torch.randn(2, 5, 32)
+    mask = torch.ones(2, 5, dtype=torch.bool)
+    greedy = teacher.argmax(-1, keepdim=True)
+    expected = 1 - torch.softmax(student, -1).gather(-1, greedy).mean()
+    assert divergence_loss(student, teacher, mask, "greedy_tv", 1.0) == pytest.approx(float(expected), rel=1e-5)
+    # only the target's argmax counts: a teacher with the same argmax and any other mass gives the same loss
+    sharpened = teacher * 10
+    assert divergence_loss(student, sharpened, mask, "greedy_tv", 1.0) == pytest.approx(float(expected), rel=1e-5)
+    one_hot = torch.full_like(student, -1e4).scatter(-1, greedy, 1e4)  # the draft proposes the greedy token surely
+    assert divergence_loss(one_hot, teacher, mask, "greedy_tv", 1.0) == pytest.approx(0.0, abs=1e-6)
+
+
 def test_bucketed_divergence_is_exact_with_full_support_and_a_lower_bound_with_top_k():
     torch.manual_seed(0)
     student, teacher = torch.randn(6, 32), torch.randn(6, 32)
@@ -204,5 +235,7 @@ def test_draft_settings_that_do_not_fit_the_method_are_refused(micro_pair, demo_
     assert run_cli("draft", *common, "--out", str(tmp_path), "--method", "onpolicy", "--divergence", "tv") == 2
     assert "not tv" in capsys.readouterr().err
     assert run_cli("draft", *common, "--out", str(tmp_path), "--method", "sft", "--teacher-top-k", "8") == 2
-    assert "kd only" in capsys.readouterr().err
+    assert "for kd and speckd only" in capsys.readouterr().err
+    assert run_cli("draft", *common, "--out", str(tmp_path), "--method", "speckd", "--teacher-top-k", "8") == 2
+    assert "greedy_tv needs the target's argmax" in capsys.readouterr().err
     assert not (tmp_path / "model").exists()

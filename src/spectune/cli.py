@@ -320,7 +320,7 @@ def merge(
 @config_command(app, DraftConfig)
 def draft(config: DraftConfig) -> None:
     """Train a draft that thinks like the target: sft (same data), kd (distillation), seqkd (the target's own
-    answers) or onpolicy (TRL on-policy distillation)."""
+    answers), onpolicy (TRL on-policy distillation) or speckd (acceptance on the target's greedy path)."""
     result = train_draft(config)
     console.print(
         f"draft ({result.method}): eval loss {result.eval_loss_before:.4f} -> {result.eval_loss_after:.4f} "
@@ -330,13 +330,16 @@ def draft(config: DraftConfig) -> None:
 
 @config_command(app, AcceptanceConfig)
 def acceptance(config: AcceptanceConfig) -> None:
-    """Offline acceptance: α, accepted run lengths, τ(k), best k and predicted speedup, per draft."""
+    """Offline acceptance: α, α at draft positions 1-3, τ(k), best k and predicted speedup, per draft."""
     report = run_acceptance(config)
     table = Table(title=f"acceptance on {report['prompts']} held-out prompts (target's greedy answers)")
-    for column in ("draft", "α", "tokens", *(f"τ(k*) / k* / S ({p['name']})" for p in report["profiles"])):
+    profiles = (f"τ(k*) / k* / S ({p['name']})" for p in report["profiles"])
+    for column in ("draft", "α", "α@1 / @2 / @3", "tokens", *profiles):
         table.add_column(column)
     for row in report["drafts"]:
-        cells = [row["name"], f"{row['alpha']:.1%}", str(row["tokens"])]
+        reached = row["alpha_by_position"]  # a position no step reached has no acceptance
+        by_position = " / ".join(f"{reached[str(i)]:.0%}" if str(i) in reached else "-" for i in (1, 2, 3))
+        cells = [row["name"], f"{row['alpha']:.1%}", by_position, str(row["tokens"])]
         for profile in report["profiles"]:
             k = row["best_k"][profile["key"]]
             cells.append(f"{row['tau_simulated'][str(k)]:.2f} / {k} / {row['speedup'][profile['key']][str(k)]:.2f}x")

@@ -40,7 +40,7 @@ from spectune.models.imported import REAL_MODELS, fetch
 from spectune.models.world import RECIPES, build_pair
 from spectune.threads import configure_torch_threads, thread_count
 from spectune.train.acceptance import AcceptanceConfig, AcceptanceSettings, run_acceptance
-from spectune.train.draft import DraftConfig, DraftSettings, Method, method_problems, train_draft
+from spectune.train.draft import DEFAULT_DIVERGENCE, DraftConfig, DraftSettings, Method, method_problems, train_draft
 from spectune.train.plan import parse_memory, plan_report, read_shape
 from spectune.train.target import FinetuneConfig, FinetuneSettings, finetune, merge
 
@@ -88,9 +88,20 @@ class DraftsSettings(DraftSettings):
 
     methods: list[Method] = Field(["sft", "kd"], description="The draft methods to train and compare.")
     overrides: dict[Method, dict[str, Any]] = Field({}, description="Per method, e.g. seqkd: {max_train: 300}.")
+    start_from: dict[Method, Method] = Field(
+        {}, description="Per method, the method whose trained draft it starts from, e.g. speckd: seqkd."
+    )
 
     @model_validator(mode="after")
     def _fits(self) -> DraftsSettings:
+        for method, start in self.start_from.items():
+            if method not in self.methods or start not in self.methods:
+                raise ValueError(f"start_from.{method}: {method} and {start} must both be in methods")
+            chain = [method]
+            while chain[-1] in self.start_from:
+                chain.append(self.start_from[chain[-1]])
+                if chain[-1] in chain[:-1]:
+                    raise ValueError(f"start_from.{method}: {' <- '.join(chain)} is a cycle")
         for method, values in self.overrides.items():
             unknown = set(values) - set(DraftSettings.model_fields)
             if unknown:
@@ -101,9 +112,21 @@ class DraftsSettings(DraftSettings):
                 raise ValueError(f"{method}: {'; '.join(problems)}")
         return self
 
+    def training_order(self) -> list[str]:
+        """The methods, each after the one it starts from."""
+
+        def depth(method: str) -> int:
+            return 1 + depth(self.start_from[method]) if method in self.start_from else 0
+
+        return sorted(self.methods, key=depth)
+
     def for_method(self, method: str) -> dict[str, Any]:
-        """The draft settings of one method, its overrides applied."""
-        return {**self.model_dump(include=set(DraftSettings.model_fields)), **self.overrides.get(method, {})}
+        """The draft settings of one method, its overrides applied; the loss resolved for the methods that have one
+        (a changed default then reruns what it trained)."""
+        settings = {**self.model_dump(include=set(DraftSettings.model_fields)), **self.overrides.get(method, {})}
+        if method in DEFAULT_DIVERGENCE:
+            settings["divergence"] = DraftSettings.model_validate(settings).divergence_for(method)
+        return settings
 
 
 # What the target stage and the base-draft stage each read of `models:`, so a new draft shape reruns the drafts,
@@ -289,9 +312,10 @@ def merge_stage(context: Context) -> dict[str, Any]:
 
 
 def draft_stage(context: Context, method: str) -> dict[str, Any]:
+    start = context.config.drafts.start_from.get(method)
     config = DraftConfig(
         target=context.merged,
-        draft=context.outputs["base-draft"]["draft"],
+        draft=context.outputs[f"draft:{start}"]["model"] if start else context.outputs["base-draft"]["draft"],
         method=method,
         **train_inputs(context, context.layout.draft_dir(method)),
         **context.config.drafts.for_method(method),
@@ -386,10 +410,10 @@ def stages(config: RunConfig) -> list[Stage]:
                 f"draft:{method}",
                 functools.partial(draft_stage, method=method),
                 lambda c, method=method: [c.drafts.for_method(method), c.data.seed],
-                ("base-draft", "merge"),
+                ("base-draft", "merge", *(f"draft:{m}" for m in [config.drafts.start_from.get(method)] if m)),
                 _train_file,
             )
-            for method in config.drafts.methods
+            for method in config.drafts.training_order()
         ),
         Stage("acceptance", acceptance_stage, lambda c: c.acceptance, ("target", *bases, *drafts), _eval_file),
         Stage("export", export_stage, lambda c: [c.export, c.threads], (*bases, *drafts, "acceptance"), _eval_file),

@@ -66,6 +66,7 @@ class DraftAcceptance:
     alpha: float
     tokens: int
     run_lengths: dict[int, int]  # accepted run length (capped at MAX_K) -> count of verify steps, at k = MAX_K
+    alpha_by_position: dict[int, float]  # draft position -> acceptance given the ones before accepted, at k = MAX_K
     tau_simulated: dict[int, float]
     tau_formula: dict[int, float]
     speedup: dict[str, dict[int, float]]  # profile name -> k -> S(k)
@@ -74,26 +75,46 @@ class DraftAcceptance:
     alpha_sampled: float | None = None  # E[Σ min(p, q)] at the given temperature
 
 
-def simulate_tau(matches: list[list[bool]], k: int) -> tuple[float, Counter[int]]:
-    """Greedy speculative decoding replayed on per-position draft==target flags: tokens per verify step.
+@dataclass
+class Replay:
+    """Greedy speculative decoding replayed at one k: tokens per verify step, how the steps' accepted runs were
+    distributed, and per draft position (1..k) how many steps verified a proposal there and how many accepted it."""
+
+    tau: float
+    runs: Counter[int]
+    reached: list[int]
+    accepted: list[int]
+
+    def alpha_by_position(self) -> dict[int, float]:
+        """Acceptance at draft position i, given the proposals before it were accepted (where the loss is)."""
+        return {i + 1: a / r for i, (a, r) in enumerate(zip(self.accepted, self.reached, strict=True)) if r}
+
+
+def simulate_tau(matches: list[list[bool]], k: int) -> Replay:
+    """Greedy speculative decoding replayed on per-position draft==target flags.
 
     At position i the draft proposes up to k tokens; the accepted prefix is the run of matches from i, and the
     verify step adds one token of its own (the correction, or the bonus token after k accepted).
     """
     tokens = steps = 0
     runs: Counter[int] = Counter()
+    reached, accepted = [0] * k, [0] * k
     for sequence in matches:
         position = 0
         while position < len(sequence):
             run = 0
-            while run < k and position + run < len(sequence) and sequence[position + run]:
+            while run < k and position + run < len(sequence):
+                reached[run] += 1
+                if not sequence[position + run]:
+                    break
+                accepted[run] += 1
                 run += 1
             gained = min(run + 1, len(sequence) - position)
             runs[run] += 1
             tokens += gained
             steps += 1
             position += gained
-    return (tokens / steps if steps else 0.0), runs
+    return Replay(tokens / steps if steps else 0.0, runs, reached, accepted)
 
 
 def target_continuations(target: Any, tokenizer: Any, prompts: list, max_new_tokens: int) -> list[tuple[list, list]]:
@@ -139,7 +160,8 @@ def measure(
                 overlap.append(torch.minimum(p, q).sum(-1))
         flat = [m for sequence in matches for m in sequence]
         alpha = sum(flat) / len(flat) if flat else 0.0
-        tau_sim = {k: simulate_tau(matches, k)[0] for k in range(1, MAX_K + 1)}
+        tau_sim = {k: simulate_tau(matches, k).tau for k in range(1, MAX_K + 1)}
+        deepest = simulate_tau(matches, MAX_K)
         tau_formula = {k: expected_tokens(alpha, k) for k in range(1, MAX_K + 1)}
         speedups = {
             profile.key: {
@@ -153,7 +175,8 @@ def measure(
                 name=name,
                 alpha=alpha,
                 tokens=len(flat),
-                run_lengths=dict(sorted(simulate_tau(matches, MAX_K)[1].items())),
+                run_lengths=dict(sorted(deepest.runs.items())),
+                alpha_by_position=deepest.alpha_by_position(),
                 tau_simulated=tau_sim,
                 tau_formula=tau_formula,
                 speedup=speedups,
