@@ -19,9 +19,8 @@ Methods (`DraftConfig.method`):
   verification the draft is only ever queried on the target's greedy path, and each position of that path is
   proposed once (as draft position 1 after a correction, or deeper after accepted ones), all but the bonus tokens
   after k accepted. That path is seqkd's data (the target's greedy answers to each turn's context, cached), so
-  speckd trains on it teacher-forced, where the draft's own
-  rollouts (TRL's on-policy sampling) would reach it only up to their first rejection. Usually started from seqkd's
-  draft (`drafts.start_from: {speckd: seqkd}`).
+  speckd trains on it teacher-forced, where the draft's own rollouts (TRL's on-policy sampling) would reach it only
+  up to their first rejection. Usually started from seqkd's draft (`drafts.start_from: {speckd: seqkd}`).
 Losses: speculative sampling accepts a token with probability 1 − TV(p, q), so `tv` (at the serving temperature)
 tracks sampling's acceptance. Greedy verification accepts only the target's argmax, whatever the rest of p: there
 `greedy_tv` = 1 − q(argmax p), the draft's chance of proposing the target's greedy token, tracks acceptance, and
@@ -373,13 +372,15 @@ def llama_answerer(gguf: Path, max_new_tokens: int) -> Callable[[list[dict[str, 
     return answer
 
 
-def method_trainer(config: DraftConfig, model: Any, teacher: Any, tokenizer: Any, split: tuple, data: Any) -> Any:
-    """The trainer of `config.method`; kd and speckd get the target's distributions on the fly or from the top-k
-    cache (made here, on first use)."""
+def method_trainer(
+    config: DraftConfig, model: Any, teacher: Any, tokenizer: Any, split: tuple, data: Any
+) -> tuple[Any, float]:
+    """The trainer of `config.method` and the seconds spent on the teacher's top-k cache; kd and speckd get the
+    target's distributions on the fly or from that cache (made here, on first use)."""
     from trl import SFTConfig, SFTTrainer
 
     if config.method == "onpolicy":
-        return onpolicy_trainer(config, model, teacher, tokenizer, split)
+        return onpolicy_trainer(config, model, teacher, tokenizer, split), 0.0
     distils = config.method in TEACHER_METHODS
     trainer_class = (
         distillation_trainer(config.divergence_for(config.method), config.temperature) if distils else SFTTrainer
@@ -392,10 +393,12 @@ def method_trainer(config: DraftConfig, model: Any, teacher: Any, tokenizer: Any
         processing_class=tokenizer,
     )
     if distils and config.teacher_top_k:  # the cache replaces the teacher: the draft trains without it in memory
-        trainer.teacher_top_k = cached_teacher(config, teacher, trainer)
-    elif distils:
+        with Timer() as cache_time:
+            trainer.teacher_top_k = cached_teacher(config, teacher, trainer)
+        return trainer, cache_time.seconds
+    if distils:
         trainer.teacher = teacher
-    return trainer
+    return trainer, 0.0
 
 
 def train_draft(config: DraftConfig) -> DraftResult:
@@ -420,9 +423,8 @@ def train_draft(config: DraftConfig) -> DraftResult:
             split = seqkd_split(config, split, teacher, tokenizer)
     data = load_task_data(tokenizer, config, split)
     model = _load_causal_lm(config.draft)
-    with Timer() as cache_time:
-        trainer = method_trainer(config, model, teacher, tokenizer, split, data)
-    teacher_time.seconds += cache_time.seconds if config.teacher_top_k else 0.0
+    trainer, cache_seconds = method_trainer(config, model, teacher, tokenizer, split, data)
+    teacher_time.seconds += cache_seconds
     del teacher  # the trainer holds it if it runs it on the fly
     console.print(
         f"draft ({config.method}) from {config.draft}: {sum(p.numel() for p in model.parameters()):,} "
