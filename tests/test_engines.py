@@ -181,11 +181,19 @@ def test_bench_checks_its_baseline_against_llama_cpp(llama_server, pair, demo_da
 
     target, draft = pair
     config = BenchConfig(
-        target=target, drafts={"sft": draft}, data=demo_data, out=tmp_path, n=2, repeats=1, max_tokens=16,
+        target=target, drafts={"sft": draft}, data=demo_data, out=tmp_path, n=2, repeats=1, max_tokens=48,
         draft_max=3, threads=1, peer=True, plot=False,
     )  # fmt: skip
-    summary = bench(config)["summary"]["sft"]
+    report = bench(config)
+    summary = report["summary"]["sft"]
     assert summary["identical"] == summary["llama_cpp_identical"] == summary["llama_cpp_target_identical"] == 2
+    # Counted llama.cpp's way (k per step, past an end token), our drafts are its drafts, our accepts its accepts.
+    # (Not at the length limit: asked for 0 drafts there, llama.cpp drafts k.)
+    ended = [row["variants"]["sft"] for row in report["prompts"] if row["variants"]["sft"]["tokens"] < 47]
+    assert ended
+    for ours in ended:
+        theirs = ours["llama_cpp"]
+        assert (ours["offered"], ours["accepted_as_llama_cpp"]) == (theirs["drafted"], theirs["accepted"])
     assert summary["baseline_vs_llama_cpp"] > 0 and summary["aggregate_speedup_over_llama_cpp"] > 0
     assert summary["llama_cpp_target_total"][0] > 0
     assert "Baseline check: the target alone through llama.cpp's own loop" in (tmp_path / "report.md").read_text()

@@ -174,6 +174,10 @@ class Stats:
     produced: int = 0  # tokens the verify steps yielded, the end token included (τ counts it)
     drafted: int = 0
     accepted: int = 0
+    # As llama.cpp's llama-speculative-simple counts: k drafted per step (it drafts on past an end token), and an
+    # accepted end token before the k-th draft counted as the target's own token, not as accepted.
+    offered: int = 0
+    accepted_as_llama_cpp: int = 0
     verify_steps: int = 0
     drafted_at: list[int] = field(default_factory=list)  # per draft position
     accepted_at: list[int] = field(default_factory=list)
@@ -184,10 +188,14 @@ class Stats:
     total_seconds: float = 0.0
     finish_reason: str = "length"
 
-    def record(self, step: Step, produced: int) -> None:
+    def record(self, step: Step, ended: int | None, offered: int) -> None:
+        """One step; `ended`: the index of the first end token in its tokens; `offered`: the k it was asked for."""
         self.verify_steps += 1
-        self.produced += produced
+        self.produced += len(step.tokens) if ended is None else ended + 1  # τ counts the end token
         self.drafted += len(step.drafts)
+        self.offered += offered
+        end_accepted_early = ended is not None and ended < step.accepted and ended + 1 < offered
+        self.accepted_as_llama_cpp += step.accepted - end_accepted_early
         self.accepted += step.accepted
         self.draft_seconds += step.draft_seconds
         self.verify_seconds += step.verify_seconds
@@ -326,7 +334,7 @@ class SpeculativeDecoder:
             step_k = max(0, min(k, room - 1, config.max_tokens - len(output) - 1))
             step = speculative_step(self.target, self.drafter, sequence, step_k, sampler, config.draft_p_min)
             ended = next((i for i, token in enumerate(step.tokens) if self.target.is_end(token)), None)
-            stats.record(step, len(step.tokens) if ended is None else ended + 1)  # τ counts the end token
+            stats.record(step, ended, step_k if self.drafter else 0)
             if config.adaptive and step.drafts:
                 k = min(config.draft_max, k + 1) if step.accepted == len(step.drafts) else max(1, step.accepted + 1)
             new = step.tokens[:ended][: config.max_tokens - len(output)]
