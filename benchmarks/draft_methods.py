@@ -23,10 +23,9 @@ from typing import Any
 
 from pipeline_run import RESULTS, command_line, run_from_command_line, write_result
 
-from spectune.layout import CONTROL_DRAFT
-from spectune.pipeline import RunConfig
+from spectune.pipeline import Context, RunConfig, acceptance_config, train_inputs
 from spectune.speedup import GPU_PROFILE
-from spectune.train.acceptance import AcceptanceConfig, run_acceptance
+from spectune.train.acceptance import run_acceptance
 from spectune.train.draft import DraftConfig, train_draft
 
 POSITIONS = 4  # α by draft position shown in the table
@@ -66,53 +65,40 @@ def draft_rows(acceptance: dict[str, Any], trained: dict[str, dict[str, Any]], s
     return rows
 
 
-def train_from(config: RunConfig, manifest: dict[str, Any], method: str, start: str, **overrides: Any) -> dict:
+def finished_run(config: RunConfig, manifest: dict[str, Any]) -> Context:
+    """What a stage of this finished run sees: the outputs of every stage."""
+    outputs = {name: stage.get("outputs", {}) for name, stage in manifest["stages"].items()}
+    return Context(config, config.layout, outputs)
+
+
+def train_from(context: Context, method: str, start: str, **overrides: Any) -> dict:
     """A draft trained by `method` from the run's `start` draft, its settings with `overrides`."""
-    stages = manifest["stages"]
     name = "-".join([method, "from", start, *(f"{key}-{value}" for key, value in overrides.items())])
-    out = config.run_dir / "drafts" / name
+    out = context.config.run_dir / "drafts" / name
     shutil.rmtree(out, ignore_errors=True)  # a fresh draft each time: no checkpoint of an older one resumes
     draft_config = DraftConfig(
-        target=Path(stages["merge"]["outputs"]["model"]),
-        draft=Path(stages[f"draft:{start}"]["outputs"]["model"]),
+        target=context.merged,
+        draft=Path(context.outputs[f"draft:{start}"]["model"]),
         method=method,
-        data=config.layout.train_file,
-        eval_data=config.layout.eval_file,
-        out=out,
-        seed=config.data.seed,
-        **{**config.drafts.for_method(method), **overrides},
+        **train_inputs(context, out),
+        **{**context.config.drafts.for_method(method), **overrides},
     )
     return {**train_draft(draft_config).model_dump(mode="json"), "start_from": start}
 
 
-def equal_time_control(config: RunConfig, manifest: dict[str, Any], method: str) -> dict[str, Any]:
+def equal_time_control(context: Context, method: str) -> dict[str, Any]:
     """The draft `method` started from, trained on by its own method for as long as `method` trained: steps from the
     started method's seconds per step, retrained once with the control's own pace when that missed by over 10%
     (the machine was busier or quieter when the started method trained)."""
-    start = config.drafts.start_from[method]
-    started, new = (manifest["stages"][f"draft:{m}"]["outputs"] for m in (start, method))
+    start = context.config.drafts.start_from[method]
+    started, new = (context.outputs[f"draft:{m}"] for m in (start, method))
     budget = training_seconds(new)
     steps = max(1, round(budget / (started["seconds"] / started["steps"])))
-    control = train_from(config, manifest, start, start, max_steps=steps)
+    control = train_from(context, start, start, max_steps=steps)
     if abs(control["seconds"] - budget) > 0.1 * budget:
         steps = max(1, round(budget / (control["seconds"] / control["steps"])))
-        control = train_from(config, manifest, start, start, max_steps=steps)
+        control = train_from(context, start, start, max_steps=steps)
     return control
-
-
-def measure_again(config: RunConfig, manifest: dict[str, Any], drafts: dict[str, Path]) -> dict[str, Any]:
-    """The offline meter on the run's held-out prompts with these drafts."""
-    stages = manifest["stages"]
-    profile = stages["target"]["outputs"].get("manifest")
-    return run_acceptance(
-        AcceptanceConfig(
-            target=Path(stages["merge"]["outputs"]["model"]),
-            drafts=drafts,
-            data=config.layout.eval_file,
-            profile=Path(profile) if profile else None,
-            **{**config.acceptance.model_dump(), "temperature": SAMPLED_AT},
-        )
-    )
 
 
 def table(name: str, result: dict[str, Any], rows: list[dict[str, Any]]) -> list[str]:
@@ -161,16 +147,16 @@ def main() -> None:
     trained = {m: manifest["stages"][f"draft:{m}"]["outputs"] for m in config.drafts.methods}
     start_from = dict(config.drafts.start_from)
     if args.control:  # every row measured again in one meter run, the controls beside them
-        base = Path(manifest["stages"]["base-draft"]["outputs"]["draft"])
-        drafts = {CONTROL_DRAFT: base, **{m: Path(outputs["model"]) for m, outputs in trained.items()}}
+        context = finished_run(config, manifest)
+        drafts = context.drafts()
         for method, start in config.drafts.start_from.items():
-            extra = {f"{start} continued": equal_time_control(config, manifest, method)}
+            extra = {f"{start} continued": equal_time_control(context, method)}
             if args.tv:
-                extra[f"{method} (tv)"] = train_from(config, manifest, method, start, divergence="tv")
+                extra[f"{method} (tv)"] = train_from(context, method, start, divergence="tv")
             for extra_name, outputs in extra.items():
                 trained[extra_name], start_from[extra_name] = outputs, start
                 drafts[extra_name] = Path(outputs["model"])
-        acceptance = measure_again(config, manifest, drafts)
+        acceptance = run_acceptance(acceptance_config(context, drafts, temperature=SAMPLED_AT))
     pair, data = manifest["config"]["models"], manifest["config"]["data"]
     tuned = manifest["stages"]["finetune"]["outputs"]
     result = {

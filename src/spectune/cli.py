@@ -337,8 +337,8 @@ def acceptance(config: AcceptanceConfig) -> None:
     for column in ("draft", "α", "α@1 / @2 / @3", "tokens", *profiles):
         table.add_column(column)
     for row in report["drafts"]:
-        reached = row["alpha_by_position"]  # a position no step reached has no acceptance
-        by_position = " / ".join(f"{reached[str(i)]:.0%}" if str(i) in reached else "-" for i in (1, 2, 3))
+        alpha_at = row["alpha_by_position"]  # a position no step reached has no acceptance
+        by_position = " / ".join(f"{alpha_at[str(i)]:.0%}" if str(i) in alpha_at else "-" for i in (1, 2, 3))
         cells = [row["name"], f"{row['alpha']:.1%}", by_position, str(row["tokens"])]
         for profile in report["profiles"]:
             k = row["best_k"][profile["key"]]

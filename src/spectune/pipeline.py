@@ -325,17 +325,21 @@ def draft_stage(context: Context, method: str) -> dict[str, Any]:
     return {**train_draft(config).model_dump(mode="json"), "eval_hash": path_hash(context.layout.eval_file)}
 
 
-def acceptance_stage(context: Context) -> dict[str, Any]:
+def acceptance_config(context: Context, drafts: dict[str, Path], **overrides: Any) -> AcceptanceConfig:
+    """The offline meter on the run's held-out prompts with these drafts (the acceptance stage's, or a benchmark's
+    with other drafts), the run's acceptance settings with `overrides`."""
     manifest = context.outputs["target"].get("manifest")
-    config = AcceptanceConfig(
+    return AcceptanceConfig(
         target=context.merged,
-        drafts=context.drafts(),
+        drafts=drafts,
         data=context.layout.eval_file,
         profile=Path(manifest) if manifest else None,
-        json_out=context.layout.acceptance,
-        **context.config.acceptance.model_dump(),
+        **{**context.config.acceptance.model_dump(), **overrides},
     )
-    return run_acceptance(config)
+
+
+def acceptance_stage(context: Context) -> dict[str, Any]:
+    return run_acceptance(acceptance_config(context, context.drafts(), json_out=context.layout.acceptance))
 
 
 def export_stage(context: Context) -> dict[str, Any]:

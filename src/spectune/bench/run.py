@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 from pydantic import Field, field_validator
 from rich.console import Console
@@ -36,6 +36,7 @@ from spectune.runtime.speculative import Generation, SamplingConfig, Speculative
 from spectune.speedup import DEFAULT_DRAFT_MAX, speedup_of_steps, verify_ratio_at
 
 console = Console()
+Result = TypeVar("Result")
 # What benchmarks/speculative.py and benchmarks/gpu/bench.py keep of each draft's summary.
 SUMMARY_KEYS = (
     "n",
@@ -244,23 +245,23 @@ def run_interleaved(
     llama_runs: dict[str, Callable[[], PeerRun]],
     repeats: int,
 ) -> tuple[dict[str, list[Timed]], dict[str, list[PeerRun]]]:
-    """Our variants on one prompt, alternating, `repeats` times after a dropped warm-up round; then llama.cpp's the
-    same way. Not mixed round by round: a llama.cpp process run just before left our first decodes 1.5-2.5x slower
-    (its weights in the CPU caches, our threads asleep), and the variant run first after it, the target alone, paid
-    for it alone (demo pair: its first three decodes 7.0/4.2/3.4 ms, then 2.6; without llama.cpp between, 3.1/2.7)."""
-    runs: dict[str, list[Timed]] = {name: [] for name in decoders}
-    for repeat in range(repeats + 1):  # the first round warms up (caches, page faults) and is dropped
-        for name, decoder in decoders.items():
-            result = timed_generate(decoder, ids, sampling[name])
-            if repeat:
-                runs[name].append(result)
-    peer_runs: dict[str, list[PeerRun]] = {name: [] for name in llama_runs}
+    """Our variants on one prompt, alternating, then llama.cpp's the same way. Not mixed round by round: a llama.cpp
+    process run just before left our first decodes 1.5-2.5x slower (its weights in the CPU caches, our threads
+    asleep), and the variant run first after it, the target alone, paid for it alone (demo pair: its first three
+    decodes 7.0/4.2/3.4 ms, then 2.6; without llama.cpp between, 3.1/2.7)."""
+    ours = {name: functools.partial(timed_generate, decoder, ids, sampling[name]) for name, decoder in decoders.items()}
+    return rounds(ours, repeats), rounds(llama_runs, repeats)
+
+
+def rounds(runs: dict[str, Callable[[], Result]], repeats: int) -> dict[str, list[Result]]:
+    """Each run in turn, `repeats` times after a dropped warm-up round (caches, page faults)."""
+    results: dict[str, list[Result]] = {name: [] for name in runs}
     for repeat in range(repeats + 1):
-        for name, run in llama_runs.items():
-            peer_result = run()
+        for name, run in runs.items():
+            result = run()
             if repeat:
-                peer_runs[name].append(peer_result)
-    return runs, peer_runs
+                results[name].append(result)
+    return results
 
 
 def prompt_row(

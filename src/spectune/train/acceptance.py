@@ -160,8 +160,9 @@ def measure(
                 overlap.append(torch.minimum(p, q).sum(-1))
         flat = [m for sequence in matches for m in sequence]
         alpha = sum(flat) / len(flat) if flat else 0.0
-        tau_sim = {k: simulate_tau(matches, k).tau for k in range(1, MAX_K + 1)}
-        deepest = simulate_tau(matches, MAX_K)
+        replays = {k: simulate_tau(matches, k) for k in range(1, MAX_K + 1)}
+        tau_sim = {k: replay.tau for k, replay in replays.items()}
+        deepest = replays[MAX_K]
         tau_formula = {k: expected_tokens(alpha, k) for k in range(1, MAX_K + 1)}
         speedups = {
             profile.key: {
