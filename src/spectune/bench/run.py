@@ -475,6 +475,11 @@ def write_report(report: dict[str, Any], out: Path, with_plot: bool = True) -> N
         plot(report, out)
 
 
+def timed_runs(repeats: int) -> str:
+    """How the per-prompt figures were taken, in words."""
+    return "one timed run per prompt" if repeats == 1 else f"medians of {repeats} interleaved runs per prompt"
+
+
 def markdown(report: dict[str, Any]) -> str:
     settings = report["settings"]
     lines = [
@@ -482,7 +487,7 @@ def markdown(report: dict[str, Any]) -> str:
         "",
         f"Target `{report['target']}`, {settings['n']} prompts from `{report['data']}`, greedy, "
         f"{settings['max_tokens']} tokens max, exact = {settings['exact']}, "
-        f"{settings['threads']} threads, medians of {settings['repeats']} interleaved runs, "
+        f"{settings['threads']} threads, {timed_runs(settings['repeats'])} after a warm-up, "
         f"{settings.get('build', 'build not recorded')}.",
         "",
         "| draft | k | identical | acceptance | τ (tokens/verify) | speedup here: aggregate (tokens, s) | "
