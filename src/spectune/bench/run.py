@@ -559,7 +559,8 @@ def llama_cpp_lines(report: dict[str, Any]) -> list[str]:
         lines.append(
             "llama.cpp's draft-simple drafts k tokens every step, on past the draft's end token, counts them all as "
             "drafted, and counts an accepted end token before the k-th draft as the target's own; spectune stops "
-            "drafting at an end token. Counted its way, our run gives its figure wherever the answers agree."
+            "drafting at an end token. Counted its way, our run gives its figure wherever the answers agree and end "
+            "before the token limit (at the limit llama.cpp's last step still drafts k)."
         )
     baselines = {name: s for name, s in report["summary"].items() if "baseline_vs_llama_cpp" in s}
     if baselines:

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from rich.console import Console
+from rich.progress import Progress
 
 from spectune.atomic import atomic_path
 from spectune.cache import cache_root
@@ -145,7 +146,6 @@ def llama_config(shape: Shape, recipe: PairRecipe, tokenizer: Any) -> Any:
 def pretrain(shape: Shape, recipe: PairRecipe, tokenizer: Any, blocks: Any, label: str) -> tuple[Any, dict]:
     """Plain causal-LM pretraining with AdamW and a cosine schedule; deterministic by the recipe's seed."""
     import torch
-    from rich.progress import Progress
     from transformers import LlamaForCausalLM
 
     torch.manual_seed(recipe.seed)
@@ -203,7 +203,10 @@ def build_pair(size: str | PairRecipe, models_dir: Path | None = None, force: bo
 
     threads = configure_torch_threads()
     start = time.perf_counter()
-    with Console(stderr=True).status(f"building the {size} pair: its tokenizer and pretraining corpus"):
+    console = Console(stderr=True)
+    # a line per phase as well as the live bars, which a log file or a pipe does not show
+    console.print(f"building the {size} pair (once per recipe, then cached in {folder.parent})")
+    with console.status(f"building the {size} pair: its tokenizer and pretraining corpus"):
         tokenizer = build_tokenizer(recipe)
         blocks = pretraining_blocks(recipe, tokenizer)
     with atomic_path(folder) as tmp:
@@ -217,6 +220,10 @@ def build_pair(size: str | PairRecipe, models_dir: Path | None = None, force: bo
         }
         for role, shape in (("target", recipe.target), ("draft", recipe.draft)):
             model, stats = pretrain(shape, recipe, tokenizer, blocks, f"{size} {role}")
+            console.print(
+                f"  {role}: {stats['parameters'] / 1e6:.1f}M parameters, {shape.steps} steps,"
+                f" loss {stats['final_loss']:.3f}, {stats['train_seconds']:.0f} s"
+            )
             model.save_pretrained(str(tmp / role))
             save_tokenizer(tokenizer, tmp / role)
             stats["bytes_on_disk"] = sum(f.stat().st_size for f in (tmp / role).iterdir())

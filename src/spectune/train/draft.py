@@ -188,7 +188,6 @@ def teacher_cache(teacher: Any, datasets: list[Any], top_k: int, temperature: fl
     """Per example (keyed by its token ids): the teacher's top-k log-probs and ids at each trained position."""
     import torch
     import torch.nn.functional as F
-    from rich.progress import track
 
     cache = {}
     rows = [row for dataset in datasets for row in dataset]
