@@ -253,7 +253,7 @@ def test_every_demo_size_is_a_valid_run_config(size):
 
 @pytest.mark.parametrize("path", sorted(CONFIGS.glob("*.yaml")), ids=lambda path: path.name)
 def test_every_shipped_config_is_valid(path):
-    # Run configs name data beside the repository (../shared) or in the user cache, so only their settings are
-    # checked here; `*-bench.yaml` files are `spectune bench --config` files.
+    # Only the settings are checked: the data and models a config names live outside the repository, and no path
+    # is opened. `*-bench.yaml` files are `spectune bench --config` files.
     schema = BenchConfig if path.stem.endswith("-bench") else RunConfig
     validate(schema, read_yaml(path), str(path))
