@@ -1,12 +1,12 @@
 """Speculative decoding on llama.cpp, per draft: identical answers (and the setting used), the aggregate wall-clock
 speedup on this machine (all tokens over all decode time) with the totals it rests on, mean/best/worst per-prompt
 speedups, TTFT and time to first sentence, acceptance, τ, the measured c and r(k+1), the predicted GPU speedup and,
-with `bench.peer: true`, llama.cpp's own figures beside ours: its llama-speculative-simple on the same pair and its
-target alone (our baseline over llama.cpp's, and each draft's speedup over llama.cpp's target alone).
+with `bench.peer: true` (or --peer), llama.cpp's own figures beside ours: its llama-speculative-simple on the same
+pair and its target alone (our baseline over llama.cpp's, and each draft's speedup over llama.cpp's target alone).
 Runs a pipeline config, reusing its finished stages, and writes benchmarks/results/speculative_<name>.json/.md.
 
 Usage: python benchmarks/speculative.py configs/demo-medium.yaml --name medium
-       python benchmarks/speculative.py demo:demo --name demo   (what `spectune demo` runs)
+       python benchmarks/speculative.py demo:demo --name demo --peer   (what `spectune demo` runs, llama.cpp beside)
 """
 
 from __future__ import annotations
@@ -14,13 +14,14 @@ from __future__ import annotations
 import json
 import platform
 
-from pipeline_run import RESULTS, run_from_command_line
+from pipeline_run import RESULTS, command_line, run_from_command_line
 
 from spectune.bench.run import result_row
 
 
 def main() -> None:
-    config, summary, name = run_from_command_line(__doc__)
+    args = command_line(__doc__, {"--peer": "set bench.peer (needs `spectune tools build-llama-cpp`)"})
+    config, summary, name = run_from_command_line(__doc__, args, {"peer": True} if args.peer else None)
     layout = config.layout
     manifest = json.loads(layout.manifest.read_text())
     drafts = {draft: result_row(s) for draft, s in summary["bench"].items()}

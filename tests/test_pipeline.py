@@ -257,3 +257,17 @@ def test_every_shipped_config_is_valid(path):
     # is opened. `*-bench.yaml` files are `spectune bench --config` files.
     schema = BenchConfig if path.stem.endswith("-bench") else RunConfig
     validate(schema, read_yaml(path), str(path))
+
+
+def test_a_benchmarks_bench_override_changes_the_bench_stage_alone(monkeypatch):
+    # `benchmarks/speculative.py demo:demo --peer` turns llama.cpp's peer on for a config that leaves it off.
+    monkeypatch.syspath_prepend(str(Path(__file__).parent.parent / "benchmarks"))
+    from pipeline_run import config_from_command_line
+
+    plain, peered = config_from_command_line("demo:micro"), config_from_command_line("demo:micro", {"peer": True})
+    assert not plain.bench.peer and peered.bench.peer
+    changed = [stage.name for stage in stages(plain) if stage.settings(plain) != stage.settings(peered)]
+    assert changed == ["bench"]
+    with pytest.raises(SpectuneError) as refused:
+        config_from_command_line("demo:micro", {"n": 0, "pier": True})
+    assert {problem.field for problem in refused.value.problems} == {"n", "pier"}
