@@ -106,7 +106,7 @@ def serving(engine: str, target: Path, draft: Path | None, args: argparse.Namesp
         try:
             yield url
         finally:
-            server.should_exit = True
+            server.stop()
             thread.join(timeout=10)
         return
     config = ServeConfig(**shared, engine="llama.cpp", port=free_port())

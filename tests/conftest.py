@@ -110,7 +110,7 @@ def running(config) -> Iterator[str]:
     try:
         yield url
     finally:
-        instance.should_exit = True
+        instance.stop()
         thread.join(timeout=30)
 
 

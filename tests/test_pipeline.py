@@ -4,6 +4,7 @@ an interrupted run resumes, and a broken config is refused with all its errors."
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -29,6 +30,7 @@ from spectune.pipeline import (
     run_pipeline,
     stages,
 )
+from spectune.serve.app import ServeConfig
 
 DATA = Path(__file__).parent / "data"
 CONFIGS = Path(__file__).parent.parent / "configs"
@@ -88,8 +90,10 @@ def test_pipeline_runs_skips_and_resumes(micro_pair, tmp_path, monkeypatch, caps
 
     assert summary["bench"]["sft"]["identical"] == 2
     assert (tmp_path / "run" / "report.md").is_file()
-    chosen = json.loads((tmp_path / "run" / "gguf" / "pair.json").read_text())
-    assert Path(chosen["target_hf"]) == tmp_path / "run" / "target" / "merged"  # what vLLM and SGLang are handed
+    written = json.loads((tmp_path / "run" / "gguf" / "pair.json").read_text())
+    assert not any(Path(written[key]).is_absolute() for key in ("target", "draft", "target_hf", "draft_hf"))
+    chosen = config.layout.read_chosen_pair()
+    assert Path(chosen["target_hf"]).resolve() == tmp_path / "run" / "target" / "merged"  # vLLM and SGLang's input
     assert (Path(chosen["draft_hf"]) / "config.json").is_file() and chosen["draft_name"] in chosen["draft_hf"]
 
     monkeypatch.setattr(stages_module, "train_draft", must_not_run)
@@ -108,6 +112,14 @@ def test_pipeline_runs_skips_and_resumes(micro_pair, tmp_path, monkeypatch, caps
     assert {name: stage["seconds"] for name, stage in after.items() if name != "bench"} == {
         name: seconds for name, seconds in before.items() if name != "bench"
     }
+
+    # The run folder is self-contained: moved elsewhere, it is served from any directory.
+    moved = tmp_path / "elsewhere" / "moved-run"
+    shutil.move(tmp_path / "run", moved)
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    served = ServeConfig(run=Path("moved-run"))
+    assert served.target.is_file() and served.draft.is_file() and served.draft_max == chosen["k"]
+    assert (moved / "gguf" / "llama-server.sh").read_text().count(str(tmp_path)) == 0
 
 
 def test_a_broken_config_is_refused_with_every_error(tmp_path, capsys):

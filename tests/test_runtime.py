@@ -17,9 +17,16 @@ from spectune.data.prepare import extract_prompts
 from spectune.data.read import read_dialogues
 from spectune.errors import SpectuneError
 from spectune.export.gguf import convert, export_model
-from spectune.runtime.chat import chat_prompt
+from spectune.runtime.chat import CLAUSE_END, chat_prompt
 from spectune.runtime.llama import LlamaModel
-from spectune.runtime.speculative import Generation, SamplingConfig, SpeculativeDecoder, Stats, StochasticSampler
+from spectune.runtime.speculative import (
+    Generation,
+    Pace,
+    SamplingConfig,
+    SpeculativeDecoder,
+    Stats,
+    StochasticSampler,
+)
 
 QUANTS = ("F32", "F16", "Q8_0", "Q4_K_M")
 
@@ -210,6 +217,9 @@ def test_bench_writes_its_report(ggufs, demo_data, tmp_path):
     assert summary["predicted_speedup_gpu"] > 0 and summary["mean_accepted_len"] >= 1.0
     # a caller's waits: the first sentence comes no sooner than the first token
     assert 0 < summary["target_ttft_ms"] <= summary["target_ttfs_ms"] and 0 < summary["ttft_ms"] <= summary["ttfs_ms"]
+    # a new caller's: the prompt's prefill is in both, and the first sentence still comes after the first token
+    assert summary["target_ttft_ms"] < summary["target_cold_ttft_ms"] <= summary["target_cold_ttfs_ms"]
+    assert 0 < summary["cold_ttft_ms"] <= min(summary["cold_ttfs_ms"], summary["cold_ttfs_first_clause_alone_ms"])
     for name in ("report.json", "report.md", "report.png"):
         assert (tmp_path / "bench" / name).stat().st_size > 0
     assert json.loads((tmp_path / "bench" / "report.json").read_text())["settings"]["n"] == 3
@@ -230,6 +240,68 @@ def test_a_new_turn_reuses_the_cached_prefix_and_answers_the_same(ggufs, prompts
     fresh, fresh_stats = unpack(SpeculativeDecoder(fresh_target).generate(second_ids, config))
     assert fresh_stats.reused_prompt_tokens == 0
     assert reused_answer == fresh
+
+
+def draft_calls(decoder: SpeculativeDecoder) -> list[tuple[int, int]]:
+    """(sequence length, tokens the draft had to catch up on) at each of the decoder's proposals from now on."""
+    calls: list[tuple[int, int]] = []
+    propose = decoder.drafter.propose
+
+    def recorded(sequence, *args):
+        calls.append((len(sequence), decoder.drafter.behind(sequence)))
+        return propose(sequence, *args)
+
+    decoder.drafter.propose = recorded
+    return calls
+
+
+def test_the_first_token_never_waits_for_the_draft_and_a_new_turn_is_all_it_reads(ggufs, prompts):
+    target, draft = load(ggufs["Q4_K_M"]["target"]), load(ggufs["Q4_K_M"]["draft"])
+    decoder, plain = SpeculativeDecoder(target, draft), SpeculativeDecoder(load(ggufs["Q4_K_M"]["target"]))
+    calls = draft_calls(decoder)
+    messages = list(prompts[6].messages)
+    ids = target.tokenize(chat_prompt(target, messages))
+    answer, stats = unpack(decoder.generate(ids, SamplingConfig(max_tokens=24, draft_max=4)))
+    # the target's own first step, then the draft reads the prompt and the first token, and proposes
+    assert calls[0] == (len(ids) + 1, len(ids) + 1) and stats.drafted_at and stats.verify_steps > 1
+    assert answer == plain.generate(ids, SamplingConfig(max_tokens=24)).tokens
+    # the next turn: the draft's cache kept the earlier turns, so it reads only what is new
+    messages += [{"role": "assistant", "content": target.detokenize(answer)}, {"role": "user", "content": "Yes."}]
+    next_ids = target.tokenize(chat_prompt(target, messages))
+    calls.clear()
+    decoder.generate(next_ids, SamplingConfig(max_tokens=8, draft_max=4))
+    new = len(next_ids) - len(ids) - len(answer)
+    assert 0 < calls[0][1] <= new + len(answer) + 2, (calls[0], new, len(answer))  # never the earlier turns
+    # another caller (the server forgets both caches between callers): the draft reads the whole prompt again
+    decoder.forget()
+    calls.clear()
+    decoder.generate(next_ids, SamplingConfig(max_tokens=8, draft_max=4))
+    assert calls[0][1] == len(next_ids) + 1
+
+
+def test_a_first_clause_decoded_alone_is_the_same_answer_and_drafting_starts_after_it(ggufs, prompts):
+    target, draft = load(ggufs["Q4_K_M"]["target"]), load(ggufs["Q4_K_M"]["draft"])
+    decoder, plain = SpeculativeDecoder(target, draft), SpeculativeDecoder(load(ggufs["Q4_K_M"]["target"]))
+    calls = draft_calls(decoder)
+    for prompt in prompts[:6]:
+        ids = target.tokenize(chat_prompt(target, prompt.messages))
+        calls.clear()
+        config = SamplingConfig(max_tokens=40, draft_max=4, first_words="alone")
+        generation = decoder.generate(ids, config)
+        assert generation.tokens == plain.generate(ids, config).tokens
+        clause = next((m.start() + 1 for m in CLAUSE_END.finditer(generation.text)), None)  # past its mark
+        if calls:  # the first proposal comes after the first clause, whose tokens the target made alone
+            assert clause is not None and len(target.detokenize(generation.tokens[: calls[0][0] - len(ids)])) >= clause
+
+
+def test_the_first_clause_goes_to_the_draft_only_where_it_comes_sooner():
+    pace = Pace()
+    assert pace.draft_first_clause(10_000)  # nothing measured yet: draft, and measure
+    pace.alone, pace.speculative, pace.catch_up, pace.clause_tokens = 0.010, 0.005, 0.001, 8.0
+    assert pace.draft_first_clause(10)  # 10 ms to catch up + 7 x 5 ms < 7 x 10 ms alone
+    assert not pace.draft_first_clause(100)  # a long new turn: 100 ms + 35 ms > 70 ms
+    pace.speculative = 0.012  # a draft that does not pay here (a CPU): the first clause always goes alone
+    assert not pace.draft_first_clause(1)
 
 
 @pytest.mark.parametrize("quant", ("F32", "F16"))

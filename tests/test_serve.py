@@ -151,7 +151,7 @@ def test_api_key_is_required_except_for_health(pair, messages):
         )
         assert allowed.status_code == 200
     finally:
-        instance.should_exit = True
+        instance.stop()
         thread.join(timeout=10)
 
 
@@ -186,5 +186,5 @@ def test_a_request_that_waits_too_long_gets_503_with_retry_after(pair, messages,
         )
         assert too_big.status_code == 413
     finally:
-        instance.should_exit = True
+        instance.stop()
         thread.join(timeout=10)

@@ -149,10 +149,10 @@ def test_tau_formula_matches_a_simulation():
 
 
 def test_simulated_tau_on_known_sequences():
-    assert simulate_tau([[True] * 10], 4).tau == 5.0  # 4 accepted + bonus, twice
+    assert simulate_tau([[True] * 11], 4).tau == 11 / 3  # the first token alone, then 4 accepted + bonus, twice
     assert simulate_tau([[False] * 6], 4).tau == 1.0  # every step yields only the target's own token
-    replay = simulate_tau([[True, True, False, True]], 8)
-    assert replay.tau == 2.0 and replay.runs == {2: 1, 1: 1}
+    replay = simulate_tau([[True, True, True, False, True]], 8)
+    assert replay.tau == 5 / 3 and replay.runs == {2: 1, 1: 1}
     # step 1 verifies positions 1-3 (rejects the third), step 2 position 1 of the last token, then the text ends
     assert replay.reached[:4] == [2, 1, 1, 0] and replay.accepted[:4] == [2, 1, 0, 0]
     assert replay.alpha_by_position() == {1: 1.0, 2: 1.0, 3: 0.0}

@@ -2,12 +2,21 @@
 
 from __future__ import annotations
 
-import glob
 import os
+import re
 import shutil
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+
+# The kinds of scratch sibling spectune writes beside an artifact: `.NAME.KIND-PID`.
+SCRATCH_KINDS = ("tmp", "f16")
+
+
+def scratch_path(final: Path, kind: str) -> Path:
+    """A private sibling of `final` for this process to write; a later atomic_path sweeps it if we are killed."""
+    assert kind in SCRATCH_KINDS
+    return final.with_name(f".{final.name}.{kind}-{os.getpid()}")
 
 
 @contextmanager
@@ -15,10 +24,12 @@ def atomic_path(final: str | Path) -> Iterator[Path]:
     """Yield a temporary sibling path (file or folder) to write; it becomes `final` only on success."""
     final = Path(final)
     final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = final.with_name(f".{final.name}.tmp-{os.getpid()}")
+    tmp = scratch_path(final, "tmp")
     _remove(tmp)
-    for stale in final.parent.glob(f".{glob.escape(final.name)}.*-*"):  # left by a killed process
-        if not _alive(stale.name.rpartition("-")[2]):
+    # Left by a killed process: exactly the names scratch_path writes, never a user's look-alike file.
+    ours = re.compile(rf"\.{re.escape(final.name)}\.(?:{'|'.join(SCRATCH_KINDS)})-(\d+)")
+    for stale in final.parent.iterdir():
+        if (match := ours.fullmatch(stale.name)) and not _alive(match.group(1)):
             _remove(stale)
     try:
         yield tmp
@@ -30,9 +41,7 @@ def atomic_path(final: str | Path) -> Iterator[Path]:
 
 
 def _alive(pid: str) -> bool:
-    """Whether a process with this id runs (a name that is no pid counts as alive: leave it alone)."""
-    if not pid.isdigit():
-        return True
+    """Whether a process with this id runs."""
     try:
         os.kill(int(pid), 0)
     except ProcessLookupError:

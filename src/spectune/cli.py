@@ -10,7 +10,6 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import typer
-import uvicorn
 from rich.console import Console
 from rich.table import Table
 
@@ -43,7 +42,7 @@ from spectune.runtime.build import build_features, build_name, identity_verdict
 from spectune.runtime.chat import chat_prompt
 from spectune.runtime.llama import LlamaModel
 from spectune.runtime.speculative import SamplingConfig, SpeculativeDecoder
-from spectune.serve.app import ServeConfig, create_app
+from spectune.serve.app import ServeConfig, make_uvicorn
 from spectune.serve.client import run_call
 from spectune.serve.engine import serve_llama_cpp
 from spectune.speedup import DEFAULT_DRAFT_MAX
@@ -592,7 +591,9 @@ def print_story(summary: dict[str, Any], layout: RunLayout) -> None:
 def serve(config: ServeConfig) -> None:
     """OpenAI-compatible streaming chat server (/v1/chat/completions, /v1/models, /health, /metrics): spectune's
     own, or llama.cpp's llama-server on the same pair (--engine llama.cpp)."""
-    if config.api_key is None and os.environ.get("SPECTUNE_API_KEY"):
+    if config.api_key is None and "SPECTUNE_API_KEY" in os.environ:
+        if not os.environ["SPECTUNE_API_KEY"].strip():
+            raise SpectuneError("SPECTUNE_API_KEY is set but empty: give a key, or unset it to serve without one")
         config.api_key = os.environ["SPECTUNE_API_KEY"]
     if config.api_key is None and config.host not in ("127.0.0.1", "localhost", "::1"):
         console.print(
@@ -603,7 +604,18 @@ def serve(config: ServeConfig) -> None:
         if code not in (0, -signal.SIGTERM):
             raise SpectuneError(f"llama-server exited with {code}")
         return
-    uvicorn.run(create_app(config), host=config.host, port=config.port, log_level="info")
+    server = make_uvicorn(config, log_level="info")
+    try:
+        server.run()
+    except KeyboardInterrupt:  # uvicorn raises the stop signal again once it has stopped: a normal end
+        pass
+    finally:
+        # A second Ctrl-C skips uvicorn's own shutdown: the generations are still cancelled and joined here, so no
+        # model is freed under a running decode. A third one leaves at once, freeing nothing.
+        try:
+            server.spectune.shutdown()
+        except KeyboardInterrupt:
+            os._exit(130)
 
 
 @app.command()

@@ -9,6 +9,7 @@ predicts is given for this machine and for a memory-bound GPU (r = 1), beside th
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import json
 import statistics
@@ -51,6 +52,11 @@ SUMMARY_KEYS = (
     "target_ttfs_ms",
     "ttft_ms",
     "target_ttft_ms",
+    "cold_ttft_ms",
+    "target_cold_ttft_ms",
+    "cold_ttfs_ms",
+    "cold_ttfs_first_clause_alone_ms",
+    "target_cold_ttfs_ms",
     "mean_speedup",
     "best_speedup",
     "worst_speedup",
@@ -64,6 +70,7 @@ SUMMARY_KEYS = (
     "predicted_speedup_gpu",
     "gpu_cost_ratio",
 )
+COLD_KEYS = ("cold_ttft_ms", "cold_ttfs_ms", "cold_ttfs_first_clause_alone_ms")  # per prompt, a new caller's
 PEER_KEYS = (  # present where --peer ran llama.cpp's own decoders
     "vs_llama_cpp",
     "llama_cpp_tokens_per_second",
@@ -208,6 +215,8 @@ def bench_prompt(
         llama_runs[TARGET] = functools.partial(baseline, without_bos(target, text), config.max_tokens)
     runs, peer_runs = run_interleaved(decoders, sampling, ids, llama_runs, config.repeats)
     row = prompt_row(index, ids, target.detokenize(runs[TARGET][0].generation.tokens), runs, peer_runs)
+    for name, first_words in cold_first_words(decoders, sampling, ids).items():
+        row["variants"][name] |= first_words
     console.print(
         f"prompt {index + 1}: "
         + "  ".join(
@@ -223,8 +232,11 @@ class Timed:
     ttfs_seconds: float  # time to first sentence: to the end of the first clause the server's chunking streams
 
 
-def timed_generate(decoder: SpeculativeDecoder, ids: list[int], sampling: SamplingConfig) -> Timed:
-    """A generation, and when its text first held a clause end (the whole answer if it never did)."""
+def timed_generate(
+    decoder: SpeculativeDecoder, ids: list[int], sampling: SamplingConfig, first_sentence_only: bool = False
+) -> Timed:
+    """A generation, and when its text first held a clause end (the whole answer if it never did); stopped there
+    with `first_sentence_only`."""
     start, text, first = time.perf_counter(), [""], [0.0]
 
     def on_text(piece: str) -> bool:
@@ -232,10 +244,29 @@ def timed_generate(decoder: SpeculativeDecoder, ids: list[int], sampling: Sampli
             text[0] += piece
             if CLAUSE_END.search(text[0]):
                 first[0] = time.perf_counter() - start
-        return True
+        return not (first_sentence_only and first[0])
 
     generation = decoder.generate(ids, sampling, on_text)
     return Timed(generation, first[0] or time.perf_counter() - start)
+
+
+def cold_first_words(
+    decoders: dict[str, SpeculativeDecoder], sampling: dict[str, SamplingConfig], ids: list[int]
+) -> dict[str, dict[str, float]]:
+    """A new caller's first turn: time to first token and to first sentence with both caches empty (the prompt's
+    prefill, and the draft's catch-up on it, included), each variant once; a draft also with its first clause
+    decoded by the target alone, the catch-up after it."""
+    figures: dict[str, dict[str, float]] = {}
+    for name, decoder in decoders.items():
+        modes = {"cold_ttfs_ms": sampling[name]}
+        if name != TARGET:
+            modes["cold_ttfs_first_clause_alone_ms"] = dataclasses.replace(sampling[name], first_words="alone")
+        for key, mode in modes.items():
+            decoder.forget()
+            timed = timed_generate(decoder, ids, mode, first_sentence_only=True)
+            figures.setdefault(name, {"cold_ttft_ms": 1000 * timed.generation.stats.ttft_seconds})
+            figures[name][key] = 1000 * timed.ttfs_seconds
+    return figures
 
 
 def run_interleaved(
@@ -391,6 +422,8 @@ def _summary(name: str, rows: list[dict], profile: dict, config: BenchConfig, dr
         "target_ttfs_ms": statistics.median(row["variants"][TARGET]["ttfs_ms"] for row in rows),
         "ttft_ms": statistics.median(v["ttft_ms"] for v in variants),
         "target_ttft_ms": statistics.median(row["variants"][TARGET]["ttft_ms"] for row in rows),
+        **{key: statistics.median(v[key] for v in variants) for key in COLD_KEYS},
+        **{f"target_{key}": statistics.median(row["variants"][TARGET][key] for row in rows) for key in COLD_KEYS[:2]},
         "mean_speedup": statistics.mean(speedups),
         "best_speedup": max(speedups),
         "worst_speedup": min(speedups),
@@ -522,20 +555,23 @@ def markdown(report: dict[str, Any]) -> str:
 
 
 def latency_lines(report: dict[str, Any]) -> list[str]:
-    """What a caller waits for: the first token and the first sentence (the first chunk a TTS engine can speak).
-    Each prompt runs in rounds, so both caches already hold it: these time the first steps, not the prompt's prefill
-    (a conversation's earlier turns are cached the same way; its new turn is not)."""
+    """What a caller waits for: the first token and the first sentence (the first chunk a TTS engine can speak),
+    with the draft and (in brackets) the target alone. Prompt cached: each prompt runs in rounds, so both caches
+    hold it (a conversation's earlier turns are cached the same way). New prompt: both caches empty, the prefill
+    and the draft's catch-up included; "alone first" decodes the first clause without the draft."""
     lines = [
         "",
-        "| draft | TTFT ms (alone), prompt cached | time to first sentence ms (alone), prompt cached |",
-        "|---|---|---|",
+        "| draft | TTFT ms, prompt cached | first sentence ms, prompt cached | TTFT ms, new prompt | "
+        "first sentence ms, new prompt: drafted / alone first |",
+        "|---|---|---|---|---|",
     ]
     for name, s in report["summary"].items():
-        ttft, ttfs = (
-            f"{s['ttft_ms']:.0f} ({s['target_ttft_ms']:.0f})",
-            f"{s['ttfs_ms']:.0f} ({s['target_ttfs_ms']:.0f})",
+        lines.append(
+            f"| {name} | {s['ttft_ms']:.0f} ({s['target_ttft_ms']:.0f}) | "
+            f"{s['ttfs_ms']:.0f} ({s['target_ttfs_ms']:.0f}) | "
+            f"{s['cold_ttft_ms']:.0f} ({s['target_cold_ttft_ms']:.0f}) | {s['cold_ttfs_ms']:.0f} / "
+            f"{s['cold_ttfs_first_clause_alone_ms']:.0f} ({s['target_cold_ttfs_ms']:.0f}) |"
         )
-        lines.append(f"| {name} | {ttft} | {ttfs} |")
     return lines
 
 

@@ -11,7 +11,7 @@ import shutil
 import threading
 from pathlib import Path
 
-from spectune.atomic import atomic_path
+from spectune.atomic import atomic_path, scratch_path
 from spectune.errors import SpectuneError
 from spectune.export.converter import run_converter
 from spectune.runtime.llama import init_backend
@@ -85,7 +85,7 @@ def export_model(
         raise SpectuneError(f"{model_dir}: no such model folder")
     if quant in CONVERTER_TYPES:
         return convert(model_dir, out_file, quant)
-    scratch = out_file.with_name(f".{out_file.name}.f16-{os.getpid()}")  # atomic_path clears it if we are killed
+    scratch = scratch_path(out_file, "f16")
     scratch.mkdir(parents=True, exist_ok=True)
     try:
         intermediate = convert(model_dir, scratch / "model.f16.gguf", "F16")

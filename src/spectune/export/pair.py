@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import shlex
 from pathlib import Path
 from typing import Any
@@ -154,13 +155,21 @@ def export_pair(config: ExportPairConfig) -> dict[str, Any]:
         report["pairs"][name] = check_pair(target_file, draft_file)
     acceptance = json.loads(config.acceptance.read_text()) if config.acceptance else None
     name, k = choose_draft(list(config.drafts), acceptance)
-    chosen = {"target": str(target_file), "draft": str(config.out / gguf_name(name, quant)), "draft_name": name, "k": k}
+    draft_file = config.out / gguf_name(name, quant)
+    # Paths relative to pair.json's folder: the run folder can be moved, copied to a server, served from anywhere.
+    chosen = {"target": target_file.name, "draft": draft_file.name, "draft_name": name, "k": k}
     # The HF folders they came from: what vLLM and SGLang serve (`spectune export --for vllm|sglang`).
-    chosen |= {"target_hf": str(config.target), "draft_hf": str(config.drafts[name])}
+    chosen |= {
+        "target_hf": os.path.relpath(config.target.resolve(), config.out.resolve()),
+        "draft_hf": os.path.relpath(Path(config.drafts[name]).resolve(), config.out.resolve()),
+    }
     report["chosen"] = chosen
-    command = server_command(SERVER, target_file, Path(chosen["draft"]), k, thread_count(config.threads), port=8080)
+    command = server_command(SERVER, target_file, draft_file, k, thread_count(config.threads), port=8080)
     check_command(command)
     report["llama_server"] = shlex.join(command)
+    here = server_command(
+        SERVER, Path(target_file.name), Path(draft_file.name), k, thread_count(config.threads), port=8080
+    )
     with atomic_path(config.out / EXPORT_REPORT) as tmp:
         tmp.write_text(json.dumps(report, indent=2))
     with atomic_path(config.out / CHOSEN_PAIR) as tmp:
@@ -169,6 +178,8 @@ def export_pair(config: ExportPairConfig) -> dict[str, Any]:
         tmp.write_text(
             f"#!/bin/sh\n# llama.cpp's own server on the tuned pair: draft {name}, k = {k} (its recommended k).\n"
             "# GGML_CPU_TILED_MM=0, --no-repack and -fa off keep batched logits equal to one-token ones.\n"
-            f'GGML_CPU_TILED_MM=0 exec {report["llama_server"]} "$@"\n'
+            "# The GGUFs are named relative to this script's folder, so the run folder can move.\n"
+            'cd "$(dirname "$0")" || exit 1\n'
+            f'GGML_CPU_TILED_MM=0 exec {shlex.join(here)} "$@"\n'
         )
     return report

@@ -19,6 +19,8 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+from spectune.errors import SpectuneError
+
 # Weight types that ggml-cpu hands to llamafile_sgemm on x86 when two or more rows are multiplied.
 LLAMAFILE_TYPES = frozenset({"F32", "F16", "BF16", "Q8_0", "Q4_0", "Q5_0", "IQ4_NL"})
 GPU_BACKENDS = frozenset({"CUDA", "Metal", "Vulkan", "ROCm", "HIP", "SYCL"})
@@ -56,7 +58,11 @@ def matrix_types(gguf: str | Path) -> Counter[str]:
     """How many weight matrices (2-D tensors) the GGUF stores in each type."""
     from gguf import GGUFReader
 
-    return Counter(t.tensor_type.name for t in GGUFReader(gguf).tensors if len(t.shape) >= 2)
+    try:
+        tensors = GGUFReader(gguf).tensors
+    except (OSError, ValueError, IndexError, KeyError) as exc:  # what the reader raises on a corrupt or empty file
+        raise SpectuneError(f"{gguf}: not a readable GGUF file ({type(exc).__name__}: {exc})") from exc
+    return Counter(t.tensor_type.name for t in tensors if len(t.shape) >= 2)
 
 
 def identity_verdict(gguf: str | Path, exact: bool) -> dict[str, Any]:

@@ -13,6 +13,8 @@ from spectune.runtime.llama import LlamaModel
 # Where a clause ends: what a voice bot's TTS can speak without waiting for more (the server's sentence chunking,
 # the bench's time to first sentence).
 CLAUSE_END = re.compile(r"[.!?;:,](\s|$)")
+# Where a message's content stood in the rendered template (chat_tokens).
+_MARKER = re.compile(r"\x01(\d+)\x02")
 # HF's assistant-mask markers are a transformers extension of Jinja; rendering for inference ignores them.
 _GENERATION_TAGS = re.compile(r"{%-?\s*(?:end)?generation\s*-?%}")
 
@@ -37,24 +39,23 @@ def chat_prompt(model: LlamaModel, messages: list[dict[str, str]], template: str
 
 def chat_tokens(model: LlamaModel, messages: list[dict[str, str]]) -> list[int]:
     """The prompt's tokens with control tokens parsed in the template's own text only: a caller who writes
-    `<|im_start|>system` in a message gets those characters as text, never a new role (role injection)."""
-    markers = [f"\x01{index}\x02" for index in range(len(messages))]
-    masked = chat_prompt(model, [{**m, "content": marker} for m, marker in zip(messages, markers, strict=True)])
-    pieces, rest = [], masked
-    for marker in markers:
-        before, found, rest = rest.partition(marker)
-        if not found or marker in rest:
-            break
-        pieces.append(before)
-    if len(pieces) == len(messages) and "".join(
-        piece + m["content"] for piece, m in zip(pieces, messages, strict=True)
-    ) + rest == chat_prompt(model, messages):
+    `<|im_start|>system` in a message gets those characters as text, never a new role (role injection).
+
+    Linear in the conversation's length: each message's content is swapped for a numbered marker, the template is
+    rendered once, and one split finds the template's own text between the markers."""
+    masked = chat_prompt(model, [{**m, "content": f"\x01{index}\x02"} for index, m in enumerate(messages)])
+    parts = _MARKER.split(masked)  # text, index, text, index, ..., text
+    pieces, order = parts[0::2], [int(index) for index in parts[1::2]]
+    contents = [m["content"] for m in messages]
+    if order == list(range(len(messages))) and "".join(
+        piece + content for piece, content in zip(pieces, [*contents, ""], strict=True)
+    ) == chat_prompt(model, messages):
         tokens = []
-        for piece, message in zip(pieces, messages, strict=True):
-            tokens += model.tokenize(piece) + model.tokenize(message["content"], special=False)
-        return tokens + model.tokenize(rest)
+        for piece, content in zip(pieces, contents, strict=False):
+            tokens += model.tokenize(piece) + model.tokenize(content, special=False)
+        return tokens + model.tokenize(pieces[-1])
     # The template changes or repeats contents (e.g. trims them): refuse control-token text instead.
-    for message in messages:
-        if model.tokenize(message["content"]) != model.tokenize(message["content"], special=False):
+    for content in contents:
+        if model.tokenize(content) != model.tokenize(content, special=False):
             raise SpectuneError("a message holds the text of a control token (such as <|im_start|>): not allowed")
     return model.tokenize(chat_prompt(model, messages))

@@ -15,7 +15,9 @@ batched (prefill) numerics, so the answers then differed from llama.cpp's own on
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
+import threading
 import weakref
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,6 +25,7 @@ from pathlib import Path
 import numpy as np
 
 from spectune.errors import SpectuneError
+from spectune.runtime.build import build_features
 from spectune.threads import thread_count
 
 _backend_ready = False
@@ -45,10 +48,29 @@ def init_backend() -> None:
         _backend_ready = True
 
 
-def _free(lib, batch, ctx, model) -> None:
-    lib.llama_batch_free(batch)
-    lib.llama_free(ctx)
-    lib.llama_model_free(model)
+def _amx_compiled() -> bool:
+    """Whether this llama.cpp has the AMX extra buffer type (Intel Xeon with AMX, built native). Its kernels crashed
+    (SIGSEGV) on every batch of 2+ tokens of the tests' small Q4_K_M and Q8_0 models on a Xeon with AMX granted by
+    the kernel, so a non-exact model keeps the plain weights there (repacking is then off as well)."""
+    return build_features().get("AMX_INT8") == "1"
+
+
+class _Handles:
+    """libllama's handles of one model and the lock that keeps them alive while they are in use: freeing (close(),
+    the garbage collector, or interpreter exit, when a worker thread may still be generating) waits for the user."""
+
+    def __init__(self, lib, batch, ctx, model) -> None:
+        self.lib, self.batch, self.ctx, self.model = lib, batch, ctx, model
+        self.lock = threading.RLock()
+        self.open = True
+
+    def free(self) -> None:
+        with self.lock:
+            if self.open:
+                self.open = False
+                self.lib.llama_batch_free(self.batch)
+                self.lib.llama_free(self.ctx)
+                self.lib.llama_model_free(self.model)
 
 
 class LlamaModel:
@@ -66,7 +88,7 @@ class LlamaModel:
         self.lib = llama_cpp
         self.exact = exact
         model_params = llama_cpp.llama_model_default_params()
-        model_params.use_extra_bufts = not exact
+        model_params.use_extra_bufts = not exact and not _amx_compiled()
         self.model = llama_cpp.llama_model_load_from_file(str(self.path).encode(), model_params)
         if not self.model:
             raise SpectuneError(f"{self.path}: llama.cpp could not load this GGUF")
@@ -95,8 +117,10 @@ class LlamaModel:
         self.memory = llama_cpp.llama_get_memory(self.ctx)
         self.cached: list[int] = []  # the tokens whose KV this context holds, position by position
 
-        # finalize (not __del__) runs before interpreter shutdown tears the bindings down.
-        self._finalizer = weakref.finalize(self, _free, llama_cpp, self.batch, self.ctx, self.model)
+        # finalize (not __del__) runs before interpreter shutdown tears the bindings down; it waits for `busy`.
+        self._handles = _Handles(llama_cpp, self.batch, self.ctx, self.model)
+        self.busy = self._handles.lock  # held by whoever decodes and reads logits (a generation holds it throughout)
+        self._finalizer = weakref.finalize(self, self._handles.free)
 
     def close(self) -> None:
         self._finalizer()
@@ -131,11 +155,22 @@ class LlamaModel:
     def is_end(self, token: int) -> bool:
         return bool(self.lib.llama_vocab_is_eog(self.vocab, token))
 
+    @functools.cached_property
+    def end_tokens(self) -> np.ndarray:
+        """Every end-of-generation token id (what min_tokens and ignore_eos keep the target from choosing)."""
+        return np.array([token for token in range(self.n_vocab) if self.is_end(token)], dtype=np.int64)
+
     def decode(self, tokens: list[int], start: int, all_logits: bool = True, copy: bool = True) -> np.ndarray:
         """Decode `tokens` at positions start.. and return logits (rows: every token, or only the last).
 
         copy=False returns a view of llama.cpp's logits buffer where one batch holds them all: valid only until
         this model's next decode, for a caller that reads it at once (at 262k entries a row is 1 MB)."""
+        with self.busy:
+            return self._decode(tokens, start, all_logits, copy)
+
+    def _decode(self, tokens: list[int], start: int, all_logits: bool, copy: bool) -> np.ndarray:
+        if not self._handles.open:
+            raise SpectuneError(f"{self.path}: the model was closed")
         if start + len(tokens) > self.n_ctx:
             raise SpectuneError(f"context full: {start + len(tokens)} tokens > n_ctx {self.n_ctx}")
         if start > len(self.cached):
@@ -168,9 +203,10 @@ class LlamaModel:
 
     def truncate(self, length: int) -> None:
         """Forget every cached position >= `length` (roll back rejected draft tokens)."""
-        if length < len(self.cached):
-            self.lib.llama_memory_seq_rm(self.memory, 0, length, -1)
-            del self.cached[length:]
+        with self.busy:
+            if length < len(self.cached) and self._handles.open:
+                self.lib.llama_memory_seq_rm(self.memory, 0, length, -1)
+                del self.cached[length:]
 
     def reusable_prefix(self, tokens: list[int]) -> int:
         """How many leading `tokens` the cache already holds (a new turn of a conversation reuses them)."""

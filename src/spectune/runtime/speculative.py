@@ -3,7 +3,9 @@
 `speculative_step` is the whole algorithm: the drafter proposes up to k tokens after the last emitted one; the
 target decodes that token and the proposals in one batch; the sampler keeps the longest acceptable prefix and adds
 one token of the target's own (the correction, or a bonus when all k were accepted); the target's cache rolls back
-to what was kept. `SpeculativeDecoder.generate` only drives it: prefill, end tokens, stop strings, statistics.
+to what was kept. `SpeculativeDecoder.generate` only drives it: prefill, end tokens, stop strings, statistics, and
+the first words: the first token is the target's own step after the prefill, as without a draft (the draft reads
+the new turn after it), and the first clause is drafted only where that comes sooner (`Pace`).
 
 Greedy: a proposal is kept when it is the target's argmax, so the output is exactly the target's own greedy
 output. Temperature > 0: proposal d ~ q is kept with probability min(1, p(d)/q(d)); a rejection is resampled
@@ -13,17 +15,23 @@ from norm(max(0, p − q)), so the output is distributed exactly as sampling the
 from __future__ import annotations
 
 import codecs
+import contextlib
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Literal, Protocol
 
 import numpy as np
 
 from spectune.errors import SpectuneError
+from spectune.runtime.chat import CLAUSE_END
 from spectune.runtime.llama import LlamaModel
 from spectune.runtime.pair import check_pair
 from spectune.speedup import DEFAULT_DRAFT_MAX
+
+# How the first clause is decoded: with the draft from the second token on, by the target alone (the draft reads the
+# new turn after it), or whichever the decoder's own measurements say comes sooner.
+FirstWords = Literal["auto", "draft", "alone"]
 
 
 @dataclass
@@ -37,6 +45,9 @@ class SamplingConfig:
     draft_max: int = DEFAULT_DRAFT_MAX  # k; 0 disables drafting
     draft_p_min: float = 0.0  # stop drafting when the draft's top probability falls below this
     adaptive: bool = False  # grow k after a fully accepted step, shrink it after an early rejection
+    min_tokens: int = 0  # no end token before this many tokens (vLLM's min_tokens)
+    ignore_eos: bool = False  # no end token at all: the answer runs to max_tokens (vLLM's ignore_eos)
+    first_words: FirstWords = "draft"  # the server's default is "auto"
 
 
 def probabilities(logits: np.ndarray, config: SamplingConfig) -> np.ndarray:
@@ -122,13 +133,20 @@ class Drafter:
 
     def __init__(self, model: LlamaModel, is_end: Callable[[int], bool]) -> None:
         self.model, self.is_end = model, is_end
+        self.caught_up = (0, 0.0)  # (tokens, seconds) of the last propose's catch-up on the sequence
+
+    def behind(self, sequence: list[int]) -> int:
+        """How many of `sequence`'s tokens the draft's cache lacks (its catch-up before it can propose)."""
+        return len(sequence) - self.model.reusable_prefix(sequence[:-1])
 
     def propose(
         self, sequence: list[int], k: int, sampler: Sampler, p_min: float
     ) -> tuple[list[int], list[np.ndarray]]:
         """Up to k tokens; stops early at an end token or below `p_min` confidence."""
+        start = time.perf_counter()
         common = self.model.reusable_prefix(sequence[:-1])  # always decode at least the last token
         logits = self.model.decode(sequence[common:], common, all_logits=False, copy=False)[-1]
+        self.caught_up = (len(sequence) - common, time.perf_counter() - start)
         drafts: list[int] = []
         draft_probs: list[np.ndarray] = []
         while True:
@@ -153,14 +171,23 @@ class Step:
 
 
 def speculative_step(
-    target: LlamaModel, drafter: Drafter | None, sequence: list[int], k: int, sampler: Sampler, p_min: float = 0.0
+    target: LlamaModel,
+    drafter: Drafter | None,
+    sequence: list[int],
+    k: int,
+    sampler: Sampler,
+    p_min: float = 0.0,
+    no_end_rows: int = 0,
 ) -> Step:
-    """Propose k, verify in one target batch, accept. `sequence`'s last token is not yet in the target's cache."""
+    """Propose k, verify in one target batch, accept. `sequence`'s last token is not yet in the target's cache;
+    the target may not end the answer at its first `no_end_rows` positions (min_tokens, ignore_eos)."""
     start = time.perf_counter()
     drafts, draft_probs = drafter.propose(sequence, k, sampler, p_min) if drafter and k > 0 else ([], [])
     drafted = time.perf_counter()
     position = len(sequence) - 1
     rows = target.decode([sequence[-1], *drafts], position, all_logits=True, copy=False)  # read before any decode
+    if no_end_rows:
+        rows[:no_end_rows, target.end_tokens] = -np.inf
     accepted, own = sampler.verify(rows, drafts, draft_probs)
     target.truncate(position + 1 + accepted)  # keep the last token and the accepted drafts
     return Step(drafts, accepted, [*drafts[:accepted], own], drafted - start, time.perf_counter() - drafted)
@@ -241,6 +268,16 @@ class TextStream:
         self.sent = 0
         self.token_ends: list[int] = []  # len(text) after each token
         self.stopped = False
+        self.clause_seen = False
+        self.clause_searched = 0  # text before this holds no clause end
+
+    def first_clause_ended(self) -> bool:
+        """True once: at the first call after the text holds a clause end (what a voice bot speaks first)."""
+        if self.clause_seen:
+            return False
+        self.clause_seen = CLAUSE_END.search(self.text, max(0, self.clause_searched - 1)) is not None
+        self.clause_searched = len(self.text)
+        return self.clause_seen
 
     def add(self, tokens: list[int]) -> str:
         """The newly final text after `tokens`; sets `stopped` when a stop string appeared (it is cut off)."""
@@ -253,7 +290,7 @@ class TextStream:
         if hits:
             self.text, self.stopped = self.text[: min(hits)], True
             return self._release(len(self.text))
-        held = max((n for s in self.stop for n in range(1, len(s)) if self.text.endswith(s[:n])), default=0)
+        held = max((_stop_overlap(self.text, stop) for stop in self.stop), default=0)
         return self._release(len(self.text) - held)
 
     def finish(self) -> str:
@@ -272,11 +309,67 @@ class TextStream:
         return piece
 
 
+def _stop_overlap(text: str, stop: str) -> int:
+    """The length of the longest proper prefix of `stop` that `text` ends with: text that may still become the stop.
+    Knuth-Morris-Pratt over the text's tail, so linear in the stop's length (a naive check is quadratic)."""
+    pattern = stop[:-1]
+    fail = [0] * len(pattern)  # fail[i]: longest proper prefix of pattern[: i + 1] that is also its suffix
+    matched = 0
+    for index in range(1, len(pattern)):
+        while matched and pattern[index] != pattern[matched]:
+            matched = fail[matched - 1]
+        matched += pattern[index] == pattern[matched]
+        fail[index] = matched
+    matched = 0
+    for char in text[-len(pattern) :] if pattern else "":
+        while matched and (matched == len(pattern) or char != pattern[matched]):
+            matched = fail[matched - 1]
+        matched += matched < len(pattern) and char == pattern[matched]
+    return matched
+
+
 @dataclass
 class Generation:
     tokens: list[int]
     text: str  # exactly the concatenation of what was streamed
     stats: Stats
+
+
+@dataclass
+class Pace:
+    """What this decoder has measured of its own speed (moving averages of seconds), for choosing how a request's
+    first clause is decoded: with the draft from the second token on, or by the target alone while the draft has
+    not yet read the new turn (its catch-up then comes after the first clause, when the caller already hears it)."""
+
+    alone: float | None = None  # a target step of one token
+    speculative: float | None = None  # a speculative step's seconds per token it yields
+    catch_up: float | None = None  # the draft reading one token of a new turn (its prefill)
+    clause_tokens: float = 8.0  # tokens to the first clause end
+
+    @staticmethod
+    def _average(old: float | None, new: float) -> float:
+        return new if old is None else 0.8 * old + 0.2 * new
+
+    def step(self, step: Step, catch_up: tuple[int, float] | None) -> None:
+        seconds = step.draft_seconds + step.verify_seconds
+        if not step.drafts and catch_up is None:
+            self.alone = self._average(self.alone, seconds)
+            return
+        if catch_up is not None and catch_up[0] > 1:  # one token is any step's own input, not a catch-up
+            self.catch_up = self._average(self.catch_up, catch_up[1] / catch_up[0])
+            seconds -= catch_up[1]
+        self.speculative = self._average(self.speculative, seconds / len(step.tokens))
+
+    def clause(self, tokens: int) -> None:
+        self.clause_tokens = self._average(self.clause_tokens, tokens)
+
+    def draft_first_clause(self, behind: int) -> bool:
+        """Whether the first clause comes sooner with the draft (which must first read `behind` tokens) than alone;
+        True until each figure has been measured once."""
+        if self.alone is None or self.speculative is None or self.catch_up is None:
+            return True
+        later = self.clause_tokens - 1  # the first token is the target's own either way
+        return behind * self.catch_up + later * self.speculative < later * self.alone
 
 
 class SpeculativeDecoder:
@@ -287,6 +380,8 @@ class SpeculativeDecoder:
             check_pair(target.path, draft.path)  # llama.cpp's own pair rules; raises with the first mismatch
         self.target = target
         self.drafter = Drafter(draft, target.is_end) if draft is not None else None
+        self.pace = Pace()
+        self.progress = Stats()  # the running generation's statistics, as they grow (a server's live usage)
 
     def forget(self) -> None:
         """Drop both KV caches (the next prompt shares nothing with the previous one, e.g. another caller's)."""
@@ -313,13 +408,38 @@ class SpeculativeDecoder:
         stats.prefill_seconds = time.perf_counter() - start
         return True
 
+    def _first_clause_alone(self, prompt: list[int], config: SamplingConfig) -> bool:
+        if self.drafter is None or config.draft_max == 0 or config.first_words == "draft":
+            return False
+        return config.first_words == "alone" or not self.pace.draft_first_clause(self.drafter.behind(prompt))
+
+    def _step(
+        self, sequence: list[int], produced: int, k: int, config: SamplingConfig, sampler: Sampler, draft: bool
+    ) -> tuple[Step, int]:
+        """One step and the k it asked for; the target alone where `draft` is False."""
+        room = self.target.n_ctx - len(sequence)  # positions left after the last token, for the proposals
+        drafter = self.drafter if draft else None
+        step_k = max(0, min(k, room - 1, config.max_tokens - produced - 1)) if drafter else 0
+        no_end = config.max_tokens if config.ignore_eos else max(0, config.min_tokens - produced)
+        step = speculative_step(
+            self.target, drafter, sequence, step_k, sampler, config.draft_p_min, min(no_end, step_k + 1)
+        )
+        self.pace.step(step, drafter.caught_up if drafter and step_k else None)
+        return step, step_k
+
     def generate(
         self, prompt: list[int], config: SamplingConfig, on_text: Callable[[str], bool] | None = None
     ) -> Generation:
         """Generate after `prompt`. `on_text` gets the final text after every step (possibly empty); returning
-        False stops the generation (finish reason "cancelled")."""
+        False stops the generation (finish reason "cancelled"). Neither model can be freed while it runs, not even
+        at interpreter exit (logits are read in place, and the text is made from the model's vocabulary)."""
+        draft_busy = self.drafter.model.busy if self.drafter else contextlib.nullcontext()
+        with self.target.busy, draft_busy:
+            return self._generate(prompt, config, on_text)
+
+    def _generate(self, prompt: list[int], config: SamplingConfig, on_text: Callable[[str], bool] | None) -> Generation:
         begin = time.perf_counter()
-        stats = Stats()
+        stats = self.progress = Stats()
         if not self._prefill(prompt, stats, lambda: on_text is None or on_text("") is not False):
             stats.finish_reason = "cancelled"
             return Generation([], "", stats)
@@ -328,21 +448,26 @@ class SpeculativeDecoder:
         sequence = list(prompt)  # every token so far; the last one is not yet in the target's cache
         output: list[int] = []
         k = config.draft_max
+        alone_until_clause = self._first_clause_alone(prompt, config)
         unsent = ""  # final text not yet handed to on_text
         while len(output) < config.max_tokens and len(sequence) < self.target.n_ctx:
-            room = self.target.n_ctx - len(sequence)  # positions left after the last token, for the proposals
-            step_k = max(0, min(k, room - 1, config.max_tokens - len(output) - 1))
-            step = speculative_step(self.target, self.drafter, sequence, step_k, sampler, config.draft_p_min)
+            # The first token never waits for the draft; the first clause neither, where it comes sooner alone.
+            draft = bool(output) and not alone_until_clause
+            step, step_k = self._step(sequence, len(output), k, config, sampler, draft)
             ended = next((i for i, token in enumerate(step.tokens) if self.target.is_end(token)), None)
-            stats.record(step, ended, step_k if self.drafter else 0)
+            stats.record(step, ended, step_k)
             if config.adaptive and step.drafts:
                 k = min(config.draft_max, k + 1) if step.accepted == len(step.drafts) else max(1, step.accepted + 1)
             new = step.tokens[:ended][: config.max_tokens - len(output)]
             output += new
             sequence += new
+            stats.generated = len(output)
             if output and not stats.ttft_seconds:
                 stats.ttft_seconds = time.perf_counter() - begin
             unsent = stream.add(new)
+            if stream.first_clause_ended():
+                alone_until_clause = False
+                self.pace.clause(len(output))
             if ended is not None or stream.stopped:
                 stats.finish_reason = "stop"
                 break

@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import hmac
 import json
+import logging
 import secrets
 import threading
 import time
@@ -25,7 +26,8 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import Field, ValidationError, model_validator
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from spectune.config import Settings
 from spectune.engines.llama_server import free_port
@@ -34,11 +36,22 @@ from spectune.layout import RunLayout
 from spectune.runtime.build import identity_verdict
 from spectune.runtime.chat import CLAUSE_END, chat_tokens
 from spectune.runtime.llama import LlamaModel
-from spectune.runtime.speculative import Generation, SamplingConfig, SpeculativeDecoder, Stats
+from spectune.runtime.speculative import FirstWords, Generation, SamplingConfig, SpeculativeDecoder, Stats
+from spectune.serve.schema import ChatRequest, lone_surrogate, unsupported_parameter
 from spectune.speedup import DEFAULT_DRAFT_MAX
 
-# What llama-server has no equivalent for (its request size, queue and time limits are its own).
-SPECTUNE_ONLY = {"queue_timeout", "max_request_bytes", "max_seconds", "reuse_prefix"}
+# What llama-server has no equivalent for (its request size, queue, time and connection limits are its own).
+SPECTUNE_ONLY = {
+    "queue_timeout",
+    "max_request_bytes",
+    "max_seconds",
+    "reuse_prefix",
+    "limit_concurrency",
+    "header_timeout",
+    "keep_alive",
+    "first_words",
+}
+log = logging.getLogger("spectune.serve")
 
 
 class ServeConfig(Settings):
@@ -66,6 +79,17 @@ class ServeConfig(Settings):
     max_seconds: float = Field(120.0, gt=0, description="Longest a generation may run (then finish_reason length).")
     model_name: str = Field("spectune", description="The model id the API reports.")
     reuse_prefix: bool = Field(True, description="Keep a slot's KV cache for the next turn of a conversation.")
+    first_words: FirstWords = Field(
+        "auto",
+        description="The first clause: drafted from the second token on (draft), by the target alone while the draft "
+        "catches up (alone), or whichever this server has measured to come sooner (auto). The first token is "
+        "always the target's own.",
+    )
+    limit_concurrency: int = Field(64, ge=1, description="Open connections and requests at most; 503 past it.")
+    header_timeout: float = Field(
+        10.0, gt=0, description="Seconds a connection may take to send a request's headers (half-open, slowloris)."
+    )
+    keep_alive: float = Field(5.0, gt=0, description="Seconds an idle keep-alive connection stays open.")
 
     @model_validator(mode="after")
     def _pair(self) -> ServeConfig:
@@ -82,52 +106,6 @@ class ServeConfig(Settings):
         if self.engine == "llama.cpp" and own:
             raise ValueError(f"{', '.join(own)}: settings of spectune's own server, not of --engine llama.cpp")
         return self
-
-
-class TextPart(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-    type: Literal["text"]
-    text: str
-
-
-class Message(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-    role: Literal["system", "user", "assistant"]
-    content: str | list[TextPart]  # OpenAI also takes a list of text parts
-
-    @field_validator("content")
-    @classmethod
-    def _text(cls, value: str | list[TextPart]) -> str:
-        text = value if isinstance(value, str) else "".join(part.text for part in value)
-        if not text.strip():
-            raise ValueError("empty content")
-        return text
-
-
-class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-    include_usage: bool = False
-
-
-class ChatRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-    messages: list[Message] = Field(min_length=1)
-    model: str | None = None
-    max_tokens: int | None = Field(None, ge=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
-    temperature: float = Field(0.0, ge=0.0, le=2.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    stop: str | list[str] | None = None
-    seed: int | None = Field(None, ge=0, lt=2**63)
-    stream: bool = False
-    stream_options: StreamOptions | None = None
-    chunking: Literal["token", "sentence"] = "token"
-    user: str | None = None  # the caller: a slot reuses a cached prompt only for the same caller
-
-    @field_validator("temperature")
-    @classmethod
-    def _greedy_below(cls, value: float) -> float:
-        return 0.0 if value < 1e-4 else value  # a vanishing temperature is greedy decoding
 
 
 class Slot:
@@ -154,13 +132,19 @@ def error_body(status: int, message: str, kind: str, param: str | None = None) -
 
 
 def make_metrics(registry: CollectorRegistry) -> dict[str, Any]:
+    latency = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30)
     return {
-        "requests": Counter("spectune_requests", "Requests by status", ["status"], registry=registry),
+        "requests": Counter(
+            "spectune_requests", "Requests by status (499: the caller hung up)", ["status"], registry=registry
+        ),
         "ttft": Histogram(
             "spectune_ttft_seconds",
-            "Time to first token",
+            "Time to first token as the caller sees it: from the request's arrival, the wait for a slot included",
             registry=registry,
-            buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 5),
+            buckets=latency,
+        ),
+        "queue_wait": Histogram(
+            "spectune_queue_wait_seconds", "Time a request waited for a slot", registry=registry, buckets=latency
         ),
         "tps": Histogram(
             "spectune_tokens_per_second",
@@ -171,6 +155,7 @@ def make_metrics(registry: CollectorRegistry) -> dict[str, Any]:
         "acceptance": Gauge("spectune_acceptance_rate", "Acceptance rate of the last request", registry=registry),
         "accepted_len": Gauge("spectune_mean_accepted_len", "Tokens per target pass, last request", registry=registry),
         "queue": Gauge("spectune_queue_depth", "Requests waiting for a slot", registry=registry),
+        "slots_in_use": Gauge("spectune_slots_in_use", "Slots running a generation", registry=registry),
     }
 
 
@@ -199,17 +184,37 @@ class Server:
         for _ in range(config.slots):
             self.slots.put_nowait(Slot(config))
         self.jobs: set[Job] = set()
+        self.closing = False
+        self.closed = asyncio.Event()  # wakes the requests waiting for a slot when the server stops
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.busy_since: float | None = None  # when the last free slot was taken
         # OpenAI's field for "which backend configuration produced this answer": the build and the setting.
         verdict = identity_verdict(config.target, config.exact)
         identity = "identical to the target alone" if verdict["guaranteed"] else "identity not guaranteed"
         self.fingerprint = f"{verdict['build']}; exact {'on' if config.exact else 'off'}; {identity}"
 
-    def shutdown(self) -> None:
-        """Stop every generation and wait for its thread: no thread may be inside llama.cpp when models are freed."""
+    def close(self) -> None:
+        """The first stop signal: cancel every generation and refuse every queued and new request (503), from any
+        thread (not from a signal handler: see SpectuneUvicorn); the generations end at their next step."""
+        self.closing = True
         for job in list(self.jobs):
             job.cancel.set()
+        if self.loop is not None and not self.loop.is_closed():
+            with contextlib.suppress(RuntimeError):
+                self.loop.call_soon_threadsafe(self.closed.set)
+
+    def shutdown(self) -> None:
+        """Stop every generation and wait for its thread: no thread may be inside llama.cpp when models are freed."""
+        self.close()
         for job in list(self.jobs):
             job.thread.join(timeout=60)
+
+    def health(self) -> tuple[int, dict[str, Any]]:
+        """Degraded (503) when no slot has been free for longer than a queued request may wait, or when stopping."""
+        busy = self.busy_since is not None and time.monotonic() - self.busy_since > self.config.queue_timeout
+        status = "stopping" if self.closing else "degraded" if busy else "ok"
+        body = {"status": status, "slots_free": self.slots.qsize(), "slots": self.config.slots}
+        return (200 if status == "ok" else 503), body
 
     def fail(self, status: int, message: str, kind: str, param: str | None = None, headers: dict | None = None) -> Any:
         self.metrics["requests"].labels(status=str(status)).inc()
@@ -225,32 +230,64 @@ class Server:
             return self.fail(413, f"request larger than {limit} bytes", "invalid_request_error")
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             return self.fail(400, f"malformed JSON: {exc}", "invalid_request_error")
+        except RecursionError:
+            return self.fail(400, "malformed JSON: nested too deeply", "invalid_request_error")
         if isinstance(body, dict) and isinstance(body.get("extra_body"), dict):
             body = {**body, **body["extra_body"]}
+        if (where := lone_surrogate(body)) is not None:
+            message = f"{where}: not valid Unicode (half of a UTF-16 surrogate pair, e.g. a cut emoji)"
+            return self.fail(400, message, "invalid_request_error", where)
+        if isinstance(body, dict) and (name := unsupported_parameter(body)) is not None:
+            message = f"{name}: not supported by this server (leave it out or at its default)"
+            return self.fail(400, message, "unsupported_parameter", name)
         try:
-            return ChatRequest.model_validate(body)
+            chat = ChatRequest.model_validate(body)
         except ValidationError as exc:
             first = exc.errors()[0]
             param = ".".join(str(part) for part in first["loc"])
             status = 422 if first["type"] != "missing" else 400
             return self.fail(status, f"{param}: {first['msg']}", "invalid_request_error", param)
+        if chat.model not in (None, "", self.config.model_name):
+            message = f"model {chat.model!r} is not served here (this server serves {self.config.model_name!r})"
+            return self.fail(404, message, "model_not_found", "model")
+        return chat
 
     async def take_slot(self, request: Request) -> Slot | JSONResponse:
+        """A free slot, waited for in arrival order; 503 past the queue timeout or when the server stops."""
+        if self.closing:
+            return self.fail(503, "the server is shutting down", "server_shutting_down")
         self.metrics["queue"].inc()
+        getter = asyncio.ensure_future(self.slots.get())
+        stopping = asyncio.ensure_future(self.closed.wait())
         try:
-            slot = await asyncio.wait_for(self.slots.get(), timeout=self.config.queue_timeout)
-        except TimeoutError:
-            retry = str(max(1, int(self.config.queue_timeout)))
-            return self.fail(503, "all slots are busy; retry shortly", "server_busy", headers={"Retry-After": retry})
+            await asyncio.wait({getter, stopping}, timeout=self.config.queue_timeout, return_when="FIRST_COMPLETED")
         finally:
             self.metrics["queue"].dec()
+            stopping.cancel()
+            getter.cancel()  # a no-op when it already has its slot
+        slot = getter.result() if getter.done() and not getter.cancelled() else None
+        if slot is None or self.closing:
+            if slot is not None:
+                self.slots.put_nowait(slot)
+            if self.closing:
+                return self.fail(503, "the server is shutting down", "server_shutting_down")
+            retry = str(max(1, int(self.config.queue_timeout)))
+            return self.fail(503, "all slots are busy; retry shortly", "server_busy", headers={"Retry-After": retry})
+        self.metrics["slots_in_use"].inc()
+        if self.slots.empty():
+            self.busy_since = time.monotonic()
         if await request.is_disconnected():  # abandoned while it waited: never run it
-            self.slots.put_nowait(slot)
+            self.release(slot)
             return self.fail(499, "the client went away while waiting", "client_closed")
         return slot
 
+    def release(self, slot: Slot) -> None:
+        self.metrics["slots_in_use"].dec()
+        self.busy_since = None
+        self.slots.put_nowait(slot)
+
     def sampling(self, chat: ChatRequest, room: int) -> SamplingConfig:
-        wanted = chat.max_completion_tokens or chat.max_tokens or room - 1
+        wanted = chat.length_wanted() or room - 1
         seed = chat.seed if chat.seed is not None else secrets.randbits(63)  # unseeded sampling varies
         return SamplingConfig(
             max_tokens=min(wanted, room - 1),
@@ -258,53 +295,71 @@ class Server:
             top_p=chat.top_p,
             seed=seed,
             draft_max=self.config.draft_max or 0,
-            stop=[chat.stop] if isinstance(chat.stop, str) else list(chat.stop or []),
+            stop=chat.stop,
+            min_tokens=chat.min_tokens,
+            ignore_eos=chat.ignore_eos,
+            first_words=self.config.first_words,
         )
 
-    def start(self, slot: Slot, chat: ChatRequest) -> Job | JSONResponse:
-        """Tokenize the conversation in the slot and start its generation (or say why not)."""
+    async def start(self, slot: Slot, chat: ChatRequest, arrived: float) -> Job | JSONResponse:
+        """Tokenize the conversation in the slot and start its generation (or say why not). Whatever fails before
+        the generation starts, the slot goes back."""
         try:
-            prompt = chat_tokens(slot.target, [m.model_dump() for m in chat.messages])
+            messages = [m.for_template() for m in chat.messages]
+            # Off the event loop: a long conversation must not hold up every other caller.
+            prompt = await asyncio.to_thread(chat_tokens, slot.target, messages)
+            room = slot.target.n_ctx - len(prompt)
+            if room <= 1:
+                self.release(slot)
+                message = f"the conversation is {len(prompt)} tokens; the context holds {slot.target.n_ctx}"
+                return self.fail(413, message, "context_length_exceeded", "messages")
+            slot.serve(chat.user, self.config.reuse_prefix)
+            job = Job(slot, prompt, self.sampling(chat, room), asyncio.get_running_loop(), self.config.max_seconds)
         except SpectuneError as exc:
-            self.slots.put_nowait(slot)
+            self.release(slot)
             return self.fail(400, str(exc), "invalid_request_error", "messages")
-        room = slot.target.n_ctx - len(prompt)
-        if room <= 1:
-            self.slots.put_nowait(slot)
-            message = f"the conversation is {len(prompt)} tokens; the context holds {slot.target.n_ctx}"
-            return self.fail(413, message, "context_length_exceeded", "messages")
-        slot.serve(chat.user, self.config.reuse_prefix)
-        job = Job(slot, prompt, self.sampling(chat, room), asyncio.get_running_loop(), self.config.max_seconds)
+        except Exception:
+            self.release(slot)
+            raise  # the Guard answers 500 and counts it
+        job.arrived = arrived
         self.jobs.add(job)
 
         def ended(_: Any) -> None:  # the slot is free exactly when its generation has ended
             self.jobs.discard(job)
-            self.slots.put_nowait(slot)
+            self.release(slot)
 
         job.done.add_done_callback(ended)
         job.start()
+        if self.closing:  # stopped while this request was being tokenized
+            job.cancel.set()
         return job
 
     async def completions(self, request: Request) -> Any:
+        arrived = time.perf_counter()
         chat = await self.parse(request)
         if isinstance(chat, JSONResponse):
             return chat
         slot = await self.take_slot(request)
         if isinstance(slot, JSONResponse):
             return slot
-        job = self.start(slot, chat)
+        self.metrics["queue_wait"].observe(time.perf_counter() - arrived)
+        job = await self.start(slot, chat, arrived)
         if isinstance(job, JSONResponse):
             return job
         if chat.stream:
             return StreamingResponse(self.stream(job, chat, request), media_type="text/event-stream")
+        hung_up = False
         while not job.done.done():  # a caller who hangs up stops the generation and frees the slot
             await asyncio.wait([job.done], timeout=0.1)
             if not job.done.done() and await request.is_disconnected():
+                hung_up = True
                 job.cancel.set()
         if job.done.exception() is not None:
             return self.fail(500, f"generation failed: {job.done.exception()}", "server_error")
+        if hung_up:
+            return self.fail(499, "the client went away", "client_closed")
         generation = job.done.result()
-        self.record(generation.stats)
+        self.record(job, generation.stats)
         return {
             "id": job.id,
             "object": "chat.completion",
@@ -324,6 +379,8 @@ class Server:
 
     async def stream(self, job: Job, chat: ChatRequest, request: Request) -> AsyncIterator[bytes]:
         pending = ""
+        finished = False
+        continuous = chat.stream_options is not None and chat.stream_options.continuous_usage_stats
         yield sse(self.chunk(job, {"role": "assistant", "content": ""}, None))
         try:
             while (text := await job.queue.get()) is not None:
@@ -333,35 +390,40 @@ class Server:
                 cut = max((m.end() for m in CLAUSE_END.finditer(pending)), default=0)
                 piece, pending = (pending[:cut], pending[cut:]) if chat.chunking == "sentence" else (pending, "")
                 if piece:
-                    yield sse(self.chunk(job, {"content": piece}, None))
+                    yield sse(self.chunk(job, {"content": piece}, None, continuous))
             try:
                 generation = await job.result()
             except Exception as exc:  # the stream says so and ends properly, and /metrics counts it
+                finished = True
                 self.metrics["requests"].labels(status="500").inc()
                 yield sse(error_body(500, f"generation failed: {exc}", "server_error")[1])
                 yield b"data: [DONE]\n\n"
                 return
             if pending:
-                yield sse(self.chunk(job, {"content": pending}, None))
-            self.record(generation.stats)
-            final = self.chunk(job, {}, job.finish_reason())
+                yield sse(self.chunk(job, {"content": pending}, None, continuous))
+            final = self.chunk(job, {}, job.finish_reason(), continuous)
             final["spectune"] = stats_json(generation.stats)
             yield sse(final)
             if chat.stream_options and chat.stream_options.include_usage:  # OpenAI: a last chunk with no choices
                 yield sse({**self.chunk(job, {}, None), "choices": [], "usage": usage(generation.stats)})
             yield b"data: [DONE]\n\n"
+            finished = True
+            self.record(job, generation.stats)
         finally:
             job.cancel.set()  # a client gone mid-stream stops the generation, which frees the slot
+            if not finished:
+                self.metrics["requests"].labels(status="499").inc()
 
-    def record(self, stats: Stats) -> None:
+    def record(self, job: Job, stats: Stats) -> None:
         self.metrics["requests"].labels(status="200").inc()
-        self.metrics["ttft"].observe(stats.ttft_seconds)
+        if stats.generated:
+            self.metrics["ttft"].observe(job.started + stats.ttft_seconds - job.arrived)
         self.metrics["tps"].observe(stats.tokens_per_second)
         self.metrics["acceptance"].set(stats.acceptance_rate)
         self.metrics["accepted_len"].set(stats.mean_accepted_len)
 
-    def chunk(self, job: Job, delta: dict, reason: str | None) -> dict[str, Any]:
-        return {
+    def chunk(self, job: Job, delta: dict, reason: str | None, with_usage: bool = False) -> dict[str, Any]:
+        body = {
             "id": job.id,
             "object": "chat.completion.chunk",
             "created": int(time.time()),
@@ -369,6 +431,9 @@ class Server:
             "system_fingerprint": self.fingerprint,
             "choices": [{"index": 0, "delta": delta, "finish_reason": reason}],
         }
+        if with_usage:  # vLLM's continuous_usage_stats: the counts so far in every chunk
+            body["usage"] = usage(job.slot.decoder.progress)
+        return body
 
 
 def authorized(header: str | None, key: str) -> bool:
@@ -404,7 +469,20 @@ class Guard:
             if refusal is not None:
                 await refusal(scope, receive, send)
                 return
-        await self.app(scope, receive, send)
+        started = False
+
+        async def sending(message: dict) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, sending)
+        except Exception as exc:  # a bug, not the caller's fault: a JSON 500 that /metrics counts, and the log
+            log.exception("unhandled error in %s", scope.get("path"))
+            if scope["type"] != "http" or started:
+                raise
+            await self.server.fail(500, f"internal error: {type(exc).__name__}", "server_error")(scope, receive, send)
 
 
 def create_app(config: ServeConfig) -> FastAPI:
@@ -412,16 +490,18 @@ def create_app(config: ServeConfig) -> FastAPI:
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        server.loop = asyncio.get_running_loop()
         yield
         await asyncio.to_thread(server.shutdown)
 
     app = FastAPI(title="spectune", version="1", lifespan=lifespan)
-
+    app.state.server = server
     app.add_middleware(Guard, server=server)
 
     @app.get("/health")
-    async def health() -> dict[str, Any]:
-        return {"status": "ok", "slots_free": server.slots.qsize(), "slots": config.slots}
+    async def health() -> Any:
+        status, body = server.health()
+        return JSONResponse(body, status_code=status)
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
@@ -443,11 +523,13 @@ def finish(stats: Stats) -> str:
     return "stop" if stats.finish_reason in ("stop", "cancelled") else "length"
 
 
-def usage(stats: Stats) -> dict[str, int]:
+def usage(stats: Stats) -> dict[str, Any]:
     return {
         "prompt_tokens": stats.prompt_tokens,
         "completion_tokens": stats.generated,
         "total_tokens": stats.prompt_tokens + stats.generated,
+        # OpenAI's field for the prompt prefix served from cache: a conversation's earlier turns.
+        "prompt_tokens_details": {"cached_tokens": stats.reused_prompt_tokens},
     }
 
 
@@ -481,6 +563,7 @@ class Job:
         self.id = f"chatcmpl-{uuid.uuid4().hex[:24]}"
         self.slot, self.prompt, self.sampling, self.loop = slot, prompt, sampling, loop
         self.deadline = time.monotonic() + max_seconds
+        self.arrived = self.started = time.perf_counter()  # the request's arrival; the generation's start
         self.timed_out = False
         self.queue: asyncio.Queue[str | None] = asyncio.Queue()
         self.cancel = threading.Event()
@@ -507,6 +590,7 @@ class Job:
                 self.timed_out = True
             return not (self.cancel.is_set() or self.timed_out)
 
+        self.started = time.perf_counter()
         try:
             result = self.slot.decoder.generate(self.prompt, self.sampling, on_text)
         except Exception as exc:  # surfaces in the request that waits for it
@@ -525,11 +609,74 @@ class Job:
         return await asyncio.shield(self.done)
 
 
+class HeaderTimedH11(H11Protocol):
+    """uvicorn's HTTP/1.1 protocol with a deadline for each request's headers: a connection that opens and never
+    completes a request (half-open, or a slowloris that trickles bytes) is closed, where uvicorn would keep it."""
+
+    header_timeout = 10.0
+
+    def connection_made(self, transport: Any) -> None:
+        super().connection_made(transport)
+        self.header_deadline = self.loop.call_later(self.header_timeout, self._too_slow)
+
+    def handle_events(self) -> None:
+        super().handle_events()
+        if self.cycle is not None:  # a request's headers are in: its body and answer have their own limits
+            self.header_deadline.cancel()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        self.header_deadline.cancel()  # the keep-alive timeout watches an idle connection from here
+
+    def _too_slow(self) -> None:
+        if self.cycle is None and not self.transport.is_closing():
+            self.transport.close()
+
+
+class SpectuneUvicorn(uvicorn.Server):
+    """uvicorn's server, told of the stop signal as it comes: the first SIGINT or SIGTERM cancels the running
+    generations and refuses the queued requests at once, instead of waiting for every answer to finish."""
+
+    def __init__(self, config: uvicorn.Config, server: Server) -> None:
+        super().__init__(config)
+        self.spectune = server
+
+    def handle_exit(self, sig: int, frame: Any) -> None:
+        # A signal handler can interrupt the loop's thread anywhere, even inside a lock close() takes (a second
+        # Ctrl-C during the first one's close() deadlocked): the cancelling runs on the loop, right after this.
+        self.spectune.closing = True
+        if self.spectune.loop is not None:
+            with contextlib.suppress(RuntimeError):  # the loop has already closed
+                self.spectune.loop.call_soon_threadsafe(self.spectune.close)
+        super().handle_exit(sig, frame)
+
+    def stop(self) -> None:
+        """Stop as a signal would (tests, embedding)."""
+        self.spectune.close()
+        self.should_exit = True
+
+
+def make_uvicorn(config: ServeConfig, host: str | None = None, port: int | None = None, **options: Any) -> Any:
+    """The spectune app in uvicorn with the server's connection limits."""
+    app = create_app(config)
+    protocol = type("HeaderTimedH11", (HeaderTimedH11,), {"header_timeout": config.header_timeout})
+    settings = uvicorn.Config(
+        app,
+        host=host or config.host,
+        port=config.port if port is None else port,
+        http=protocol,
+        limit_concurrency=config.limit_concurrency,
+        timeout_keep_alive=config.keep_alive,
+        **options,
+    )
+    return SpectuneUvicorn(settings, app.state.server)
+
+
 def serve_in_thread(config: ServeConfig, host: str = "127.0.0.1") -> tuple[Any, threading.Thread, str]:
     """Start the server on a free port in a background thread (tests, benchmarks, embedding);
-    returns (uvicorn server, thread, base URL). Stop it with `server.should_exit = True`."""
+    returns (uvicorn server, thread, base URL). Stop it with `server.stop()`."""
     port = free_port(host)
-    server = uvicorn.Server(uvicorn.Config(create_app(config), host=host, port=port, log_level="warning"))
+    server = make_uvicorn(config, host, port, log_level="warning")
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     deadline = time.time() + 60

@@ -91,16 +91,19 @@ class Replay:
 
 
 def simulate_tau(matches: list[list[bool]], k: int) -> Replay:
-    """Greedy speculative decoding replayed on per-position draft==target flags.
+    """Greedy speculative decoding replayed on per-position draft==target flags, as the engine runs it.
 
-    At position i the draft proposes up to k tokens; the accepted prefix is the run of matches from i, and the
-    verify step adds one token of its own (the correction, or the bonus token after k accepted).
+    The first token is the target's own, in a step of its own (the caller's first words never wait for the draft).
+    From then on, at position i the draft proposes up to k tokens; the accepted prefix is the run of matches from i,
+    and the verify step adds one token of its own (the correction, or the bonus token after k accepted).
     """
     tokens = steps = 0
     runs: Counter[int] = Counter()
     reached, accepted = [0] * k, [0] * k
     for sequence in matches:
-        position = 0
+        position = tokens_first = min(1, len(sequence))
+        tokens += tokens_first
+        steps += tokens_first
         while position < len(sequence):
             run = 0
             while run < k and position + run < len(sequence):

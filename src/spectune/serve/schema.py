@@ -1,0 +1,142 @@
+"""The OpenAI chat-completions request as spectune takes it: what it implements, what it refuses by name, and how a
+bad request is told apart from a good one before any slot is taken."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+# OpenAI takes at most 4 stop sequences; the length cap keeps the stop check cheap whatever a caller sends.
+MAX_STOPS = 4
+MAX_STOP_CHARS = 1024
+# A 1 MiB body holds ~28,000 tiny messages; no conversation a voice bot holds comes near this.
+MAX_MESSAGES = 4096
+
+
+def _off(*defaults: Any) -> Any:
+    """A parameter spectune leaves at its OpenAI default: null, or one of `defaults`."""
+    return lambda value: value is None or value in defaults
+
+
+# Parameters spectune does not implement, refused (400 unsupported_parameter) unless left at their default: a
+# client that relies on tool calls, JSON mode or log-probabilities must hear that it will not get them.
+UNSUPPORTED = {
+    "n": _off(1),
+    "tools": _off([]),
+    "tool_choice": _off("none", "auto"),
+    "functions": _off([]),
+    "function_call": _off("none", "auto"),
+    "response_format": _off({"type": "text"}),
+    "logprobs": _off(False),
+    "top_logprobs": _off(0),
+    "logit_bias": _off({}),
+    "presence_penalty": _off(0, 0.0),
+    "frequency_penalty": _off(0, 0.0),
+    "repetition_penalty": _off(1, 1.0),
+    "modalities": _off(["text"]),
+    "audio": _off(),
+    "prediction": _off(),
+    "best_of": _off(1),
+    "use_beam_search": _off(False),
+}
+
+
+def unsupported_parameter(body: dict[str, Any]) -> str | None:
+    """The first parameter of `body` that spectune does not implement and the caller set, or None."""
+    return next((name for name, is_default in UNSUPPORTED.items() if name in body and not is_default(body[name])), None)
+
+
+def lone_surrogate(value: Any) -> str | None:
+    """The path of the first string in a parsed JSON value that is not valid Unicode (half of a UTF-16 pair, what a
+    client sends after cutting a string inside an emoji), or None. Iterative: JSON nests as deep as it likes."""
+    pending: list[tuple[str, Any]] = [("", value)]
+    while pending:
+        path, item = pending.pop()
+        if isinstance(item, dict):
+            pending += [(f"{path}.{key}" if path else str(key), inner) for key, inner in item.items()]
+            pending += [(path or "body", key) for key in item]
+        elif isinstance(item, list):
+            pending += [(f"{path}.{index}", inner) for index, inner in enumerate(item)]
+        elif isinstance(item, str):
+            try:
+                item.encode("utf-8")
+            except UnicodeEncodeError:
+                return path or "body"
+    return None
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["text"]
+    text: str
+
+
+class Message(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    # "developer" is the OpenAI SDK's current name for the system role.
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart] | None = None  # OpenAI also takes a list of text parts
+
+    @field_validator("content")
+    @classmethod
+    def _text(cls, value: str | list[TextPart] | None) -> str:
+        return value if isinstance(value, str) else "".join(part.text for part in value or [])
+
+    def for_template(self) -> dict[str, str]:
+        """The message as the chat template takes it."""
+        return {"role": "system" if self.role == "developer" else self.role, "content": str(self.content)}
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: usage in every chunk
+
+
+class ChatRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    messages: list[Message] = Field(min_length=1, max_length=MAX_MESSAGES)
+    model: str | None = None
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    temperature: float = Field(0.0, ge=0.0, le=2.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    stop: list[str] = Field(default_factory=list)  # OpenAI also takes one string, or null
+    seed: int | None = Field(None, ge=0, lt=2**63)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    chunking: Literal["token", "sentence"] = "token"
+    user: str | None = None  # the caller: a slot reuses a cached prompt only for the same caller
+    # vLLM's extensions that benchmark clients (GuideLLM, AIPerf) send to pin the answer's length.
+    min_tokens: int = Field(0, ge=0)
+    ignore_eos: bool = False
+
+    @field_validator("temperature")
+    @classmethod
+    def _greedy_below(cls, value: float) -> float:
+        return 0.0 if value < 1e-4 else value  # a vanishing temperature is greedy decoding
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _few_short_stops(cls, value: Any) -> Any:
+        stops = [value] if isinstance(value, str) else [] if value is None else value
+        if not isinstance(stops, list):
+            return stops  # pydantic says what is wrong with it
+        if len(stops) > MAX_STOPS:
+            raise ValueError(f"at most {MAX_STOPS} stop sequences")
+        if any(isinstance(stop, str) and len(stop) > MAX_STOP_CHARS for stop in stops):
+            raise ValueError(f"a stop sequence longer than {MAX_STOP_CHARS} characters")
+        return stops
+
+    @field_validator("messages")
+    @classmethod
+    def _spoken_turns(cls, messages: list[Message]) -> list[Message]:
+        """Only an assistant turn may be empty (a barge-in cut it off before its first word)."""
+        for index, message in enumerate(messages):
+            if message.role != "assistant" and not str(message.content).strip():
+                raise ValueError(f"message {index} ({message.role}) has empty content")
+        return messages
+
+    def length_wanted(self) -> int | None:
+        return self.max_completion_tokens or self.max_tokens
