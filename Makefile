@@ -9,7 +9,7 @@ export CMAKE_BUILD_PARALLEL_LEVEL ?= 2
 LLAMAFILE ?= OFF
 LLAMA_CPP_PIN := $(shell grep -o 'llama-cpp-python==[0-9.]*' pyproject.toml)
 
-.PHONY: demo test lint install clean
+.PHONY: demo test test-fast lint install clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -30,6 +30,10 @@ lint: $(VENV)/.installed
 
 test: lint
 	$(PY) -m pytest
+
+# The edit-run loop: lint and every test that trains no model and builds no tool (under two minutes).
+test-fast: lint
+	$(PY) -m pytest -m "not slow"
 
 clean:
 	rm -rf $(VENV) build src/*.egg-info .pytest_cache .ruff_cache

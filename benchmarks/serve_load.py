@@ -99,8 +99,10 @@ async def conversation_ttft(url: str, prompts: list, turns: int, max_tokens: int
 
 @contextmanager
 def serving(engine: str, target: Path, draft: Path | None, args: argparse.Namespace, **own: Any) -> Iterator[str]:
-    """A server of `engine` on the pair for the block; its URL. The same slots, context and threads for both."""
+    """A server of `engine` on the pair for the block; its URL. The same slots, context, threads and k for both;
+    `own`: settings of spectune's server alone."""
     shared = {"target": target, "draft": draft, "slots": args.slots, "n_ctx": 2048, "threads": args.threads}
+    shared["draft_max"] = own.pop("draft_max", None)
     if engine == "spectune":
         server, thread, url = serve_in_thread(ServeConfig(**shared, queue_timeout=60.0, **own))
         try:

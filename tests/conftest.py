@@ -12,6 +12,16 @@ import pytest
 os.environ.setdefault("SPECTUNE_THREADS", "1")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
+# What makes a test slow: training a model, building llama.cpp's tools. `make test-fast` leaves out every test that
+# uses one of these, and the tests marked slow by hand (a model made in the test itself, a subprocess of torchrun).
+SLOW_FIXTURES = {"micro_pair", "tuned_target", "sft_draft", "pair", "llama_server"}
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if SLOW_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.slow)
+
 
 @pytest.fixture(scope="session")
 def sgd_dev() -> Path:

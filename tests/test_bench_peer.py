@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from spectune.bench.peer import run_peer
+from spectune.bench.peer import generated_text, run_peer
 from spectune.errors import SpectuneError
 
 REAL_TAIL = """0.00.060.465 I encoded    3 tokens in    0.001 seconds, speed: 5976.096 t/s
@@ -35,12 +35,12 @@ def stand_in(tmp_path: Path, body: str) -> Path:
 
 def test_reads_stats_and_retries_when_the_log_is_lost(tmp_path):
     (tmp_path / "tail").write_text(REAL_TAIL)
-    body = f"""echo "the answer"
+    body = f"""printf '\\n\\nhi, the answer\\n\\n\\n\\n'
 if [ -f {tmp_path}/ran ]; then cat {tmp_path}/tail >&2; else touch {tmp_path}/ran; fi"""
     run = run_peer(stand_in(tmp_path, body), Path("t.gguf"), Path("d.gguf"), "hi", 4, 32, 2, 512, exact=True)
     assert (run.decoded_tokens, run.drafted, run.accepted) == (37, 47, 25)
     assert run.seconds == pytest.approx(0.016) and run.tokens_per_second == pytest.approx(37 / 0.016)
-    assert "the answer" in run.text
+    assert run.text == ", the answer"  # the echoed prompt and the closing lines cut off, exactly
     args = (tmp_path / "args").read_text().split()
     for flag, value in (("-md", "d.gguf"), ("--spec-type", "draft-simple"), ("--spec-draft-n-max", "4"), ("-t", "2")):
         assert args[args.index(flag) + 1] == value
@@ -52,3 +52,12 @@ def test_a_failing_tool_is_reported(tmp_path):
         run_peer(stand_in(tmp_path, "echo boom >&2; exit 3"), Path("t"), Path("d"), "hi", 4, 8, 1, 512, exact=False)
     with pytest.raises(SpectuneError, match="could not find"):
         run_peer(stand_in(tmp_path, "echo no stats"), Path("t"), Path("d"), "hi", 4, 8, 1, 512, exact=False)
+
+
+def test_the_tools_answer_is_cut_exactly_from_its_output():
+    prompt = "<|im_start|>user\nA table for two.<|im_end|>\n<|im_start|>assistant\n"
+    printed = f"\n\n<|endoftext|>{prompt}Sure. For when?\n\n\n\n"  # a BOS it added, printed before the prompt
+    assert generated_text(printed, prompt) == "Sure. For when?"
+    assert generated_text(f"\n\n{prompt}\n\n\n\n", prompt) == ""  # an empty answer is empty, not "contained"
+    assert generated_text(f"\n\n{prompt}Sure. For when? At 7\n\n\n\n", prompt) != "Sure. For when?"
+    assert generated_text(f"\n\n{prompt}Sure.", prompt) is None  # the output was cut short

@@ -27,7 +27,7 @@ BASELINE_READY_SECONDS = 120.0
 
 @dataclass
 class PeerRun:
-    text: str
+    text: str | None  # exactly the generated text (None: the tool's output was not laid out as expected)
     decoded_tokens: int
     seconds: float
     drafted: int
@@ -76,12 +76,25 @@ def run_peer(
         if "n_accept" in log:
             break
     return PeerRun(
-        text=result.stdout,
+        text=generated_text(result.stdout, prompt),
         decoded_tokens=int(_field(r"decoded\s+(\d+) tokens", log)),
         seconds=float(_field(r"decoded\s+\d+ tokens in\s+([\d.]+) seconds", log)),
         drafted=int(_field(r"n_drafted\s*=\s*(\d+)", log)),
         accepted=int(_field(r"n_accept\s*=\s*(\d+)", log)),
     )
+
+
+# llama-speculative-simple's standard output: "\n\n", the prompt as it read it (a BOS it adds printed before it),
+# the generated text (no end token), then "\n\n" after decoding and "\n\n" at exit.
+CLOSING = "\n\n\n\n"
+
+
+def generated_text(stdout: str, prompt: str) -> str | None:
+    """What the tool generated, cut exactly from its standard output; None when it is not laid out as above."""
+    start = stdout.find(prompt)
+    if start < 0 or not stdout.endswith(CLOSING):
+        return None
+    return stdout[start + len(prompt) : len(stdout) - len(CLOSING)]
 
 
 @contextmanager

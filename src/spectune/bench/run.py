@@ -343,8 +343,8 @@ def prompt_row(
             "drafted": results[0].drafted,
             "accepted": results[0].accepted,
             "acceptance": results[0].accepted / results[0].drafted if results[0].drafted else 0.0,
-            # the speculative tool prints the prompt before the answer; the server returns the answer alone
-            "identical": all(answer.strip() in r.text for r in results),
+            # exactly the same text: the tool's echo of the prompt is cut off (peer.generated_text)
+            "identical": all(r.text == answer for r in results),
             "ours_over_llama_cpp": ours_tps / peer_tps if peer_tps else 0.0,
         }
     return row

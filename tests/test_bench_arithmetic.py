@@ -1,0 +1,97 @@
+"""The bench's headline arithmetic on hand-built rows whose answers are worked out by hand: a changed formula
+(aggregate speedup, the n - 1 span of the llama.cpp baseline, pooled acceptance, τ, the predictions) fails here."""
+
+from __future__ import annotations
+
+import pytest
+
+from spectune.bench.run import BenchConfig, _summary
+
+COLD = {"ttft_ms": 5.0, "ttfs_ms": 9.0, "cold_ttft_ms": 7.0, "cold_ttfs_ms": 12.0}
+
+
+def variant(tokens, seconds, steps, produced, drafted_at, accepted_at, offered, accepted_llama, speedup, peer):
+    return {
+        "tokens": tokens,
+        "decode_seconds": seconds,
+        "after_first_seconds": seconds - 0.1,
+        "verify_steps": steps,
+        "produced": produced,
+        "drafted_at": drafted_at,
+        "accepted_at": accepted_at,
+        "offered": offered,
+        "accepted_as_llama_cpp": accepted_llama,
+        "speedup": speedup,
+        "identical": True,
+        "cold_ttfs_first_clause_alone_ms": 11.0,
+        "llama_cpp": peer,
+        **COLD,
+    }
+
+
+def peer(tokens, seconds, drafted=0, accepted=0):
+    return {"tokens": tokens, "seconds": seconds, "drafted": drafted, "accepted": accepted, "identical": True}
+
+
+ROWS = [
+    {
+        "variants": {
+            "target": variant(10, 1.0, 10, 10, [], [], 0, 0, 1.0, peer(10, 0.72)),  # llama.cpp: 9 decodes, 80 ms
+            "sft": variant(10, 0.5, 4, 10, [4, 2], [3, 1], 8, 4, 2.0, peer(10, 0.4, 8, 4)),
+        }
+    },
+    {
+        "variants": {
+            "target": variant(20, 2.0, 20, 20, [], [], 0, 0, 1.0, peer(20, 1.52)),  # 19 decodes, 80 ms
+            "sft": variant(20, 0.5, 5, 20, [5, 5], [5, 4], 10, 9, 4.0, peer(20, 0.6, 10, 9)),
+        }
+    },
+]
+PROFILE = {"cost_ratio": 0.5, "verify_ratio": {"2": 1.5, "3": 2.0}}
+
+
+@pytest.fixture
+def summary(tmp_path):
+    (tmp_path / "t.gguf").write_bytes(b"x" * 1000)
+    (tmp_path / "d.gguf").write_bytes(b"x" * 100)  # c on a GPU: 0.1 by bytes
+    config = BenchConfig(
+        target=tmp_path / "t.gguf", drafts={"sft": tmp_path / "d.gguf"}, data=tmp_path, recommended_k={"sft": 2}
+    )
+    return _summary("sft", ROWS, PROFILE, config, tmp_path / "d.gguf")
+
+
+def test_speedups_are_all_tokens_over_all_seconds(summary):
+    assert summary["aggregate_speedup"] == pytest.approx(3.0)  # (1.0 + 2.0) s alone over (0.5 + 0.5) s
+    assert (summary["total_tokens"], summary["total_seconds"], summary["target_total_seconds"]) == (30, 1.0, 3.0)
+    assert (summary["mean_speedup"], summary["best_speedup"], summary["worst_speedup"]) == (3.0, 4.0, 2.0)
+
+
+def test_acceptance_and_tau_are_pooled_over_the_prompts(summary):
+    assert summary["acceptance"] == pytest.approx(13 / 16)  # (3 + 1 + 5 + 4) / (4 + 2 + 5 + 5), not a mean of rates
+    assert summary["acceptance_by_position"] == pytest.approx([8 / 9, 5 / 7])
+    assert summary["mean_accepted_len"] == pytest.approx(30 / 9)
+    assert summary["mean_drafted_per_step"] == pytest.approx(16 / 9)
+
+
+def test_the_predictions_cost_each_step_by_what_it_drafted(summary):
+    # 2 steps drafted 1 token, 7 drafted 2: here 2 (r(2) + c) + 7 (r(3) + 2c) = 25; on a GPU 9 + 16 x 0.1 = 10.6
+    assert summary["predicted_speedup_here"] == pytest.approx(30 / 25)
+    assert summary["gpu_cost_ratio"] == pytest.approx(0.1)
+    assert summary["predicted_speedup_gpu"] == pytest.approx(30 / 10.6)
+
+
+def test_the_llama_cpp_baseline_is_compared_per_decode_over_the_same_span(summary):
+    # llama-server times n - 1 decodes for n tokens: 2.24 s / 28 = 80 ms; ours from first token to last: 2.8 / 28
+    assert summary["llama_cpp_target_ms_per_decode"] == pytest.approx(80.0)
+    assert summary["target_ms_per_decode"] == pytest.approx(100.0)
+    assert summary["baseline_vs_llama_cpp"] == pytest.approx(0.8)
+    assert summary["llama_cpp_target_total"] == [28, pytest.approx(2.24)]
+    # with the draft over llama.cpp's target alone on the same answers: 30 decodes at 80 ms over 1.0 s
+    assert summary["aggregate_speedup_over_llama_cpp"] == pytest.approx(2.4)
+
+
+def test_llama_cpps_speculative_figures_are_pooled_like_ours(summary):
+    assert summary["vs_llama_cpp"] == pytest.approx(1.0)  # 30 tokens in 1.0 s both
+    assert summary["llama_cpp_acceptance"] == pytest.approx(13 / 18)
+    assert summary["acceptance_as_llama_cpp_counts"] == pytest.approx(13 / 18)
+    assert summary["llama_cpp_identical"] == 2 and summary["llama_cpp_target_identical"] == 2
