@@ -60,4 +60,5 @@ def test_the_tools_answer_is_cut_exactly_from_its_output():
     assert generated_text(printed, prompt) == "Sure. For when?"
     assert generated_text(f"\n\n{prompt}\n\n\n\n", prompt) == ""  # an empty answer is empty, not "contained"
     assert generated_text(f"\n\n{prompt}Sure. For when? At 7\n\n\n\n", prompt) != "Sure. For when?"
+    assert generated_text(f"\n\n{prompt}Sure. For when?\n\n", prompt) == "Sure. For when?"  # the exit's line lost
     assert generated_text(f"\n\n{prompt}Sure.", prompt) is None  # the output was cut short

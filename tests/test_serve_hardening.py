@@ -519,6 +519,11 @@ def test_half_open_connections_are_closed_and_connections_are_limited(pair, mess
     try:
         idle = [socket.create_connection((host, int(port))) for _ in range(4)]
         idle[0].sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n")  # headers never finished
+        idle[1].sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")  # one whole request, kept alive, then
+        assert idle[1].recv(4096).startswith(b"HTTP/1.1 200")
+        for _ in range(2):  # the next one's headers trickle in (each byte resets uvicorn's keep-alive timer)
+            idle[1].sendall(b"G")
+            time.sleep(0.2)
         for connection in idle:
             connection.settimeout(5)
             assert connection.recv(1024) == b""  # closed by the server, not by the test's timeout

@@ -85,16 +85,20 @@ def run_peer(
 
 
 # llama-speculative-simple's standard output: "\n\n", the prompt as it read it (a BOS it adds printed before it),
-# the generated text (no end token), then "\n\n" after decoding and "\n\n" at exit.
-CLOSING = "\n\n\n\n"
+# the generated text (no end token), "\n\n" after decoding, and "\n\n" at exit, which its logger loses about half
+# the time (the run is retried until the statistics, logged after the first closing, came through).
+CLOSING = "\n\n"
 
 
 def generated_text(stdout: str, prompt: str) -> str | None:
-    """What the tool generated, cut exactly from its standard output; None when it is not laid out as above."""
+    """What the tool generated, cut exactly from its standard output; None when it is not laid out as above. An
+    answer that itself ends in a blank line, with the exit's closing lost, loses that line here: a difference
+    reported where there may be none, never the other way round."""
     start = stdout.find(prompt)
     if start < 0 or not stdout.endswith(CLOSING):
         return None
-    return stdout[start + len(prompt) : len(stdout) - len(CLOSING)]
+    text = stdout[start + len(prompt) : len(stdout) - len(CLOSING)]
+    return text.removesuffix(CLOSING)
 
 
 @contextmanager

@@ -4,7 +4,7 @@ decode a batch of tokens at given positions, read logits, and roll the KV cache 
 `exact=True` makes batched logits match one-token logits on the CPU backend: no weight repacking
 (`use_extra_bufts = False`, llama.cpp's --no-repack) and no flash attention (its batched kernel differed from the
 one-token one by up to 0.03 in the logits past a few hundred tokens of context; without it the difference is ~1e-6),
-so speculative greedy output equals plain greedy output at 4 bits. It costs 8–29% per token (see DESIGN.md).
+so speculative greedy output equals plain greedy output at 4 bits. It costs 8–29% per token (docs/identity.md).
 
 The tiled K-quant matmul is off in every process, whatever `exact` says: ggml reads GGML_CPU_TILED_MM once, at the
 first batched matmul, and keeps it for the life of the process, so a non-exact model that ran first (seqkd's answer

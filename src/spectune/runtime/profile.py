@@ -4,7 +4,7 @@
 - r(n) = target time for a batch of n tokens / target time for one token.
 
 On a memory-bound GPU r(n) ≈ 1 for small n; on a small CPU decoding is compute-bound and r(n) grows with n,
-so no wall-clock speedup is possible there whatever the acceptance (see DESIGN.md).
+so no wall-clock speedup is possible there whatever the acceptance (docs/design.md, "Why CPU and GPU differ").
 """
 
 from __future__ import annotations

@@ -610,26 +610,32 @@ class Job:
 
 
 class HeaderTimedH11(H11Protocol):
-    """uvicorn's HTTP/1.1 protocol with a deadline for each request's headers: a connection that opens and never
-    completes a request (half-open, or a slowloris that trickles bytes) is closed, where uvicorn would keep it."""
+    """uvicorn's HTTP/1.1 protocol with a deadline for each request's headers, the first on a connection and every
+    later one on a kept-alive connection: one that never completes a request (half-open, or a slowloris trickling
+    bytes, which resets uvicorn's keep-alive timer) is closed, where uvicorn would keep it."""
 
     header_timeout = 10.0
 
     def connection_made(self, transport: Any) -> None:
         super().connection_made(transport)
+        self._await_headers()
+
+    def _await_headers(self) -> None:
+        self.awaited_after = self.cycle  # the request before the one whose headers are awaited
         self.header_deadline = self.loop.call_later(self.header_timeout, self._too_slow)
 
     def handle_events(self) -> None:
         super().handle_events()
-        if self.cycle is not None:  # a request's headers are in: its body and answer have their own limits
+        if self.cycle is not self.awaited_after:  # its headers are in: its body and answer have their own limits
             self.header_deadline.cancel()
 
     def on_response_complete(self) -> None:
         super().on_response_complete()
-        self.header_deadline.cancel()  # the keep-alive timeout watches an idle connection from here
+        self.header_deadline.cancel()
+        self._await_headers()
 
     def _too_slow(self) -> None:
-        if self.cycle is None and not self.transport.is_closing():
+        if self.cycle is self.awaited_after and not self.transport.is_closing():
             self.transport.close()
 
 

@@ -1,0 +1,53 @@
+"""The README's results table, rendered from the committed results (benchmarks/results/speculative_*.json), so the
+two cannot drift: `tests/test_docs.py` checks that the README holds exactly this table.
+
+Usage: python benchmarks/readme_table.py   (prints the table)
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+RESULTS = Path(__file__).parent / "results"
+# (results file, the pair in words, its data): the pairs the README reports, the off-the-shelf draft and the best one
+PAIRS = (
+    ("speculative_demo.json", "demo 17M target, 1.3M draft", "generated voice-bot dialogues"),
+    ("speculative_medium.json", "medium demo pair", "generated voice-bot dialogues"),
+    ("speculative_smollm2_sgd.json", "SmolLM2-135M-Instruct, QLoRA on SGD", "SGD dev"),
+    ("speculative_gemma3_270m_sgd_tuned.json", "Gemma 3 270M, QLoRA on SGD", "SGD dev"),
+)
+HEADER = (
+    "| pair (data) | draft | k | prompts | identical | acceptance | tokens per target pass | here: with the draft "
+    "over the target alone | over llama.cpp's target alone, exact settings | predicted on a GPU |\n"
+    "|---|---|---|---|---|---|---|---|---|---|"
+)
+
+
+def best_draft(drafts: dict[str, dict]) -> str:
+    """The tuned draft with the highest predicted GPU speedup."""
+    tuned = {name: row for name, row in drafts.items() if name != "generic"}
+    return max(tuned, key=lambda name: tuned[name]["predicted_speedup_gpu"])
+
+
+def row(pair: str, data: str, name: str, figures: dict) -> str:
+    over_llama = figures.get("aggregate_speedup_over_llama_cpp")
+    return (
+        f"| {pair} ({data}) | {name} | {figures['draft_max']} | {figures['n']} | {figures['identical']}/{figures['n']} "
+        f"| {figures['acceptance']:.1%} | {figures['mean_accepted_len']:.2f} | {figures['aggregate_speedup']:.2f}x "
+        f"({figures['total_tokens']:,} tokens) | {f'{over_llama:.2f}x' if over_llama else 'not run'} "
+        f"| {figures['predicted_speedup_gpu']:.2f}x (c = {figures['gpu_cost_ratio']:.3f}) |"
+    )
+
+
+def table() -> str:
+    lines = [HEADER]
+    for file, pair, data in PAIRS:
+        drafts = json.loads((RESULTS / file).read_text())["drafts"]
+        for name in ("generic", best_draft(drafts)):
+            lines.append(row(pair, data, name, drafts[name]))
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    print(table())
