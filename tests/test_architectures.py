@@ -4,6 +4,7 @@ world's Llama pairs. Each architecture here is a tiny random model carrying the 
 from __future__ import annotations
 
 import pytest
+from conftest import random_model
 
 from spectune.data.read import read_dialogues
 from spectune.errors import SpectuneError
@@ -24,6 +25,8 @@ ARCHITECTURES = {
     "gemma2": {"num_key_value_heads": 2, "head_dim": 16, "query_pre_attn_scalar": 16},
     "gemma3_text": {"num_key_value_heads": 2, "head_dim": 16, "query_pre_attn_scalar": 16},
 }
+# Each architecture's full shape; peaked logits (a wide init) so top-1 comparisons are not decided by rounding.
+MODEL_SHAPE = {name: {**SHAPE, **extra, "initializer_range": 0.2} for name, extra in ARCHITECTURES.items()}
 # llama.cpp converts Gemma 2 only with its sentencepiece tokenizer.model (as real Gemma 2 folders have); this test's
 # tokenizer is the demo world's byte-level BPE, so Gemma 2 stops after fine-tuning here.
 SENTENCEPIECE_ONLY = {"gemma2"}
@@ -31,24 +34,10 @@ SENTENCEPIECE_ONLY = {"gemma2"}
 
 @pytest.fixture(scope="module", params=list(ARCHITECTURES))
 def model_dir(request, micro_pair, tmp_path_factory):
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
-
     tokenizer = load_tokenizer(micro_pair / "target")
-    config = AutoConfig.for_model(
-        request.param,
-        vocab_size=len(tokenizer),
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-        initializer_range=0.2,  # peaked logits: top-1 comparisons are not decided by rounding
-        **SHAPE,
-        **ARCHITECTURES[request.param],
+    folder = random_model(
+        tokenizer, tmp_path_factory.mktemp(request.param), request.param, **MODEL_SHAPE[request.param]
     )
-    torch.manual_seed(0)
-    folder = tmp_path_factory.mktemp(request.param)
-    AutoModelForCausalLM.from_config(config).save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
     return folder, request.param
 
 
@@ -80,3 +69,15 @@ def test_finetune_export_and_decode(model_dir, demo_data, tmp_path):
     assert (
         speculative.tokens == plain.tokens and stats.accepted == stats.drafted
     )  # a model drafting for itself is always right
+
+    # A draft that is mostly wrong (another random model of the architecture): every rejection is a verification
+    # whose later rows are thrown away, the case where batched logits must equal one-token ones.
+    rival_dir = random_model(tokenizer, tmp_path / "rival", architecture, seed=1, **MODEL_SHAPE[architecture])
+    rival = SpeculativeDecoder(model, LlamaModel(convert(rival_dir, tmp_path / "rival.F32.gguf", "F32"), threads=1))
+    drafted = accepted = 0
+    for dialogue in read_dialogues(demo_data).dialogues[:12]:
+        ids = model.tokenize(chat_prompt(model, dialogue.messages[:1]))
+        generation = rival.generate(ids, SamplingConfig(max_tokens=16, draft_max=3))
+        assert generation.tokens == SpeculativeDecoder(model).generate(ids, SamplingConfig(max_tokens=16)).tokens
+        drafted, accepted = drafted + generation.stats.drafted, accepted + generation.stats.accepted
+    assert drafted >= 60 and accepted < drafted / 2, (drafted, accepted)  # rejections happened, most steps

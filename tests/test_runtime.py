@@ -149,11 +149,11 @@ def test_stop_strings_and_max_tokens(ggufs, prompts):
     short, stats = unpack(decoder.generate(ids, SamplingConfig(max_tokens=3)))
     assert short == full[:3] and stats.finish_reason == "length"
     text = target.detokenize(full)
-    if len(text) > 4:
-        stop = text[2:4]
-        cut, cut_stats = unpack(decoder.generate(ids, SamplingConfig(max_tokens=30, stop=[stop])))
-        assert stop not in target.detokenize(cut) and cut_stats.finish_reason == "stop"
-        assert text.startswith(target.detokenize(cut))
+    assert len(text) > 4, text  # long enough to hold a stop string after its start
+    stop = text[2:4]
+    cut, cut_stats = unpack(decoder.generate(ids, SamplingConfig(max_tokens=30, stop=[stop])))
+    assert stop not in target.detokenize(cut) and cut_stats.finish_reason == "stop"
+    assert text.startswith(target.detokenize(cut))
 
 
 def test_speculative_sampling_keeps_the_target_distribution():

@@ -43,18 +43,26 @@ def ask(url: str, body: dict, **kwargs) -> httpx.Response:
 
 
 def test_one_caller_learns_nothing_of_another_callers_prompt(server, messages):
+    """Seen from outside: another caller's answer and counters are what they are on an empty slot, for the target's
+    cache and the draft's alike; only the same caller's next turn reuses anything."""
     secret = [{"role": "user", "content": "My card number is 4111 1111 1111 1111, book the table."}]
+    reused = ("reused_prompt_tokens", "draft_reused_prompt_tokens")  # (how much it drafts follows the measured pace)
+
+    def seen(reply: dict) -> tuple:
+        return reply["choices"][0]["message"]["content"], reply["usage"], [reply["spectune"][key] for key in reused]
+
     for guess in ("4111 1111 2222", "4111 1111 1111 1111", "9999"):
-        ask(server, {"messages": secret, "max_tokens": 4, "user": "caller-1"})  # the slot now holds the secret
-        probe = [{"role": "user", "content": f"My card number is {guess}"}]
-        reply = ask(server, {"messages": probe, "max_tokens": 2, "user": "caller-2"}).json()
-        assert reply["spectune"]["reused_prompt_tokens"] == 0
-    anonymous = ask(server, {"messages": secret, "max_tokens": 2}).json()
-    assert anonymous["spectune"]["reused_prompt_tokens"] == 0  # no caller id: nothing is shared
+        probe = {"messages": [{"role": "user", "content": f"My card number is {guess}"}], "max_tokens": 6}
+        clean = seen(ask(server, {**probe, "user": "caller-0"}).json())  # an empty slot: the other caller's view
+        ask(server, {"messages": secret, "max_tokens": 6, "user": "caller-1"})  # the slot now holds the secret
+        after = seen(ask(server, {**probe, "user": "caller-2"}).json())
+        assert after == clean and after[2] == [0, 0], (clean, after)
+    anonymous = ask(server, {"messages": secret, "max_tokens": 2}).json()["spectune"]
+    assert anonymous["reused_prompt_tokens"] == anonymous["draft_reused_prompt_tokens"] == 0  # no caller id
     follow_up = [*secret, {"role": "assistant", "content": "Sure."}, {"role": "user", "content": "Thanks."}]
     ask(server, {"messages": secret, "max_tokens": 2, "user": "caller-1"})
-    again = ask(server, {"messages": follow_up, "max_tokens": 2, "user": "caller-1"}).json()
-    assert again["spectune"]["reused_prompt_tokens"] > 10  # the same caller's next turn reuses its prefix
+    again = ask(server, {"messages": follow_up, "max_tokens": 4, "user": "caller-1"}).json()["spectune"]
+    assert again["reused_prompt_tokens"] > 10 and again["draft_reused_prompt_tokens"] > 10  # both caches reuse
 
 
 def test_a_message_cannot_inject_a_role(pair):

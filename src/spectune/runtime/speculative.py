@@ -197,6 +197,7 @@ def speculative_step(
 class Stats:
     prompt_tokens: int = 0
     reused_prompt_tokens: int = 0  # prompt tokens whose KV a previous turn left in the cache
+    draft_reused_prompt_tokens: int = 0  # the same in the draft's cache, at its first proposal
     generated: int = 0
     produced: int = 0  # tokens the verify steps yielded, the end token included (τ counts it)
     drafted: int = 0
@@ -454,6 +455,8 @@ class SpeculativeDecoder:
             # The first token never waits for the draft; the first clause neither, where it comes sooner alone.
             draft = bool(output) and not alone_until_clause
             step, step_k = self._step(sequence, len(output), k, config, sampler, draft)
+            if step_k and not stats.offered:  # the draft's first proposal: what it found in its own cache
+                stats.draft_reused_prompt_tokens = len(sequence) - self.drafter.caught_up[0]
             ended = next((i for i, token in enumerate(step.tokens) if self.target.is_end(token)), None)
             stats.record(step, ended, step_k)
             if config.adaptive and step.drafts:

@@ -542,6 +542,7 @@ def stats_json(stats: Stats) -> dict[str, Any]:
         "ttft_seconds",
         "tokens_per_second",
         "reused_prompt_tokens",
+        "draft_reused_prompt_tokens",
         "draft_seconds",
         "verify_seconds",
     )
