@@ -12,9 +12,11 @@ Usage: python benchmarks/speculative.py configs/demo-medium.yaml --name medium
 from __future__ import annotations
 
 import json
-import platform
+import subprocess
+import sys
+from pathlib import Path
 
-from pipeline_run import RESULTS, command_line, run_from_command_line
+from pipeline_run import RESULTS, command_line, run_from_command_line, write_result
 
 from spectune.bench.run import result_row
 
@@ -25,13 +27,21 @@ def main() -> None:
     layout = config.layout
     manifest = json.loads(layout.manifest.read_text())
     drafts = {draft: result_row(s) for draft, s in summary["bench"].items()}
+    bench = json.loads((layout.bench_dir / "report.json").read_text())
+    profile = next(iter(bench["summary"].values()))["profile"]
+    commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+    changed = subprocess.run(["git", "status", "--porcelain", "src"], capture_output=True, text=True).stdout.strip()
     result = {
+        # What a skeptic needs to redo it: the command, the code, the machine, and every prompt's figures.
+        "command": "python benchmarks/" + " ".join(Path(arg).name if i == 0 else arg for i, arg in enumerate(sys.argv)),
+        "commit": commit + (" with uncommitted changes to src/" if changed else ""),
         "pair": manifest["config"]["models"],
         "data": manifest["config"]["data"],
-        "machine": f"{platform.machine()}, {manifest['config']['threads'] or 'all'} threads",
+        "machine": f"{profile['machine']}, {bench['settings']['threads']} threads",
         "drafts": drafts,
+        "prompts": bench["prompts"],
     }
-    (RESULTS / f"speculative_{name}.json").write_text(json.dumps(result, indent=2))
+    write_result(f"speculative_{name}.json", result)
     (RESULTS / f"speculative_{name}.md").write_text((layout.bench_dir / "report.md").read_text())
     print(summary["line"])
 
