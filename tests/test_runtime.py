@@ -272,6 +272,14 @@ def test_the_first_token_never_waits_for_the_draft_and_a_new_turn_is_all_it_read
     decoder.generate(next_ids, SamplingConfig(max_tokens=8, draft_max=4))
     new = len(next_ids) - len(ids) - len(answer)
     assert 0 < calls[0][1] <= new + len(answer) + 2, (calls[0], new, len(answer))  # never the earlier turns
+    # a barge-in: the caller cut the answer short, so the conversation keeps only its first words; both caches roll
+    # back to where it diverges, and the draft again reads only from there
+    cut = target.detokenize(answer[:3])
+    barge_in = [*messages[:-2], {"role": "assistant", "content": cut}, {"role": "user", "content": "No, wait."}]
+    barge_ids = target.tokenize(chat_prompt(target, barge_in))
+    calls.clear()
+    generation = decoder.generate(barge_ids, SamplingConfig(max_tokens=8, draft_max=4))
+    assert generation.stats.reused_prompt_tokens >= len(ids) and calls[0][1] <= len(barge_ids) - len(ids) + 2
     # another caller (the server forgets both caches between callers): the draft reads the whole prompt again
     decoder.forget()
     calls.clear()
