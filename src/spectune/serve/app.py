@@ -318,9 +318,9 @@ class Server:
         except SpectuneError as exc:
             self.release(slot)
             return self.fail(400, str(exc), "invalid_request_error", "messages")
-        except Exception:
+        except BaseException:  # anything else, cancellation included: the Guard answers 500 and counts it
             self.release(slot)
-            raise  # the Guard answers 500 and counts it
+            raise
         job.arrived = arrived
         self.jobs.add(job)
 
