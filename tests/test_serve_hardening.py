@@ -525,7 +525,7 @@ def test_metrics_count_hang_ups_and_time_to_first_token_as_the_caller_sees_it(pa
 
 def test_half_open_connections_are_closed_and_connections_are_limited(pair, messages):
     target = pair[0]
-    config = ServeConfig(target=target, n_ctx=256, threads=1, header_timeout=0.5, limit_concurrency=8)
+    config = ServeConfig(target=target, n_ctx=256, threads=1, header_timeout=1.0, limit_concurrency=8)
     instance, thread, url = serve_in_thread(config)
     host, port = url.removeprefix("http://").split(":")
     try:
@@ -541,7 +541,11 @@ def test_half_open_connections_are_closed_and_connections_are_limited(pair, mess
             time.sleep(0.2)
         for connection in idle:
             connection.settimeout(5)
-            assert connection.recv(1024) == b""  # closed by the server, not by the test's timeout
+            try:
+                closed = connection.recv(1024) == b""  # closed by the server, not by the test's timeout (5 s)
+            except ConnectionResetError:  # closed while the test was still sending
+                closed = True
+            assert closed
             connection.close()
         assert ask(url, {"messages": messages, "max_tokens": 2}).status_code == 200
     finally:
