@@ -50,7 +50,8 @@ class FinetuneResult(TrainResult):
     trainable_parameters: int
     total_parameters: int
     adapter_bytes: int
-    four_bit: bool
+    four_bit: bool  # read off the model trained: its base held NF4 weights
+    nf4_linear_layers: int
 
 
 def compute_dtype() -> Any:
@@ -173,16 +174,28 @@ def finetune(config: FinetuneConfig) -> FinetuneResult:
     )
     adapter = config.out / "adapter"
     outcome = train_and_save(trainer, tokenizer, config, adapter, data)
+    nf4_layers = count_nf4_layers(trainer.model)
     result = FinetuneResult(
         **outcome.model_dump(),
         adapter=adapter,
         trainable_parameters=trainable,
         total_parameters=total,
         adapter_bytes=folder_bytes(adapter),
-        four_bit=config.four_bit,
+        four_bit=nf4_layers > 0,
+        nf4_linear_layers=nf4_layers,
     )
     write_report(config.out / "finetune.json", config, result, data)
     return result
+
+
+def count_nf4_layers(model: Any) -> int:
+    """How many linear layers of `model` hold NF4 4-bit weights (bitsandbytes): what QLoRA really trained on."""
+    import bitsandbytes as bnb
+
+    return sum(
+        isinstance(module, bnb.nn.Linear4bit) and module.weight.quant_state.quant_type == "nf4"
+        for module in model.modules()
+    )
 
 
 def _planned_steps(trainer: Any) -> int:
