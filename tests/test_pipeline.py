@@ -83,9 +83,13 @@ def test_pipeline_runs_skips_and_resumes(micro_pair, tmp_path, monkeypatch, caps
     assert set(manifest["versions"]) >= {"torch", "transformers", "trl", "peft", "bitsandbytes", "llama-cpp-python"}
     assert manifest["config"]["models"]["size"] == "micro"
     assert "identical answers" in summary["line"] and "predicted on a GPU" in summary["line"]
+    capsys.readouterr()  # what the stages printed before
     print_story(summary, config.layout)  # the demo's last lines: one row per draft, then why CPU and GPU differ
     story = capsys.readouterr().out
     assert all(f"{name} " in story for name in ("generic", "sft")) and story.count("2/2") == 2, story
+    rows = [line for line in story.splitlines() if "2/2" in line]
+    assert len(rows) == 2 and all(line.split()[1] in ("generic", "sft") for line in rows), story  # a row a line
+    assert max(len(line) for line in story.splitlines()) <= 80, story  # fits an 80-column terminal
     assert "Why CPU and GPU differ" in story
 
     assert summary["bench"]["sft"]["identical"] == 2
