@@ -164,12 +164,12 @@ def export_pair(config: ExportPairConfig) -> dict[str, Any]:
         "draft_hf": os.path.relpath(Path(config.drafts[name]).resolve(), config.out.resolve()),
     }
     report["chosen"] = chosen
-    command = server_command(SERVER, target_file, draft_file, k, thread_count(config.threads), port=8080)
-    check_command(command)
-    report["llama_server"] = shlex.join(command)
-    here = server_command(
+    # Run from the GGUFs' folder (llama-server.sh changes to it), as pair.json names them.
+    command = server_command(
         SERVER, Path(target_file.name), Path(draft_file.name), k, thread_count(config.threads), port=8080
     )
+    check_command(command)
+    report["llama_server"] = shlex.join(command)
     with atomic_path(config.out / EXPORT_REPORT) as tmp:
         tmp.write_text(json.dumps(report, indent=2))
     with atomic_path(config.out / CHOSEN_PAIR) as tmp:
@@ -180,6 +180,6 @@ def export_pair(config: ExportPairConfig) -> dict[str, Any]:
             "# GGML_CPU_TILED_MM=0, --no-repack and -fa off keep batched logits equal to one-token ones.\n"
             "# The GGUFs are named relative to this script's folder, so the run folder can move.\n"
             'cd "$(dirname "$0")" || exit 1\n'
-            f'GGML_CPU_TILED_MM=0 exec {shlex.join(here)} "$@"\n'
+            f'GGML_CPU_TILED_MM=0 exec {report["llama_server"]} "$@"\n'
         )
     return report

@@ -314,14 +314,15 @@ class Server:
                 message = f"the conversation is {len(prompt)} tokens; the context holds {slot.target.n_ctx}"
                 return self.fail(413, message, "context_length_exceeded", "messages")
             slot.serve(chat.user, self.config.reuse_prefix)
-            job = Job(slot, prompt, self.sampling(chat, room), asyncio.get_running_loop(), self.config.max_seconds)
+            job = Job(
+                slot, prompt, self.sampling(chat, room), asyncio.get_running_loop(), self.config.max_seconds, arrived
+            )
         except SpectuneError as exc:
             self.release(slot)
             return self.fail(400, str(exc), "invalid_request_error", "messages")
         except BaseException:  # anything else, cancellation included: the Guard answers 500 and counts it
             self.release(slot)
             raise
-        job.arrived = arrived
         self.jobs.add(job)
 
         def ended(_: Any) -> None:  # the slot is free exactly when its generation has ended
@@ -560,11 +561,13 @@ class Job:
         sampling: SamplingConfig,
         loop: asyncio.AbstractEventLoop,
         max_seconds: float,
+        arrived: float,
     ) -> None:
         self.id = f"chatcmpl-{uuid.uuid4().hex[:24]}"
         self.slot, self.prompt, self.sampling, self.loop = slot, prompt, sampling, loop
         self.deadline = time.monotonic() + max_seconds
-        self.arrived = self.started = time.perf_counter()  # the request's arrival; the generation's start
+        self.arrived = arrived  # when the request came (perf_counter): the caller's time to first token runs from it
+        self.started = time.perf_counter()  # the generation's start, set again when its thread begins
         self.timed_out = False
         self.queue: asyncio.Queue[str | None] = asyncio.Queue()
         self.cancel = threading.Event()
