@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from spectune.bench.peer import generated_text, run_peer
+from spectune.engines.llama_server import speculation_flags
 from spectune.errors import SpectuneError
 
 REAL_TAIL = """0.00.060.465 I encoded    3 tokens in    0.001 seconds, speed: 5976.096 t/s
@@ -62,3 +63,14 @@ def test_the_tools_answer_is_cut_exactly_from_its_output():
     assert generated_text(f"\n\n{prompt}Sure. For when? At 7\n\n\n\n", prompt) != "Sure. For when?"
     assert generated_text(f"\n\n{prompt}Sure. For when?\n\n", prompt) == "Sure. For when?"  # the exit's line lost
     assert generated_text(f"\n\n{prompt}Sure.", prompt) is None  # the output was cut short
+
+
+def test_llama_cpps_ngram_speculator_goes_in_front_of_the_draft_or_alone():
+    """The flags both llama.cpp tools get: ngram-simple sized like spectune's lookup, before draft-simple."""
+    both = speculation_flags(Path("d.gguf"), 4, 2, ngram_n=2)
+    assert both[both.index("--spec-type") + 1] == "ngram-simple,draft-simple"
+    assert both[both.index("--spec-ngram-simple-size-n") + 1] == "2"
+    assert both[both.index("--spec-ngram-simple-size-m") + 1] == "4" and "-md" in both
+    alone = speculation_flags(None, 4, 2, ngram_n=2)
+    assert alone[alone.index("--spec-type") + 1] == "ngram-simple" and "-md" not in alone and "-td" not in alone
+    assert speculation_flags(None, 4, 2) == []  # the target alone

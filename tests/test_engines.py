@@ -201,3 +201,31 @@ def test_bench_checks_its_baseline_against_llama_cpp(llama_server, pair, demo_da
     assert summary["baseline_vs_llama_cpp"] > 0 and summary["aggregate_speedup_over_llama_cpp"] > 0
     assert summary["llama_cpp_target_total"][0] > 0
     assert "Baseline check: the target alone through llama.cpp's own loop" in (tmp_path / "report.md").read_text()
+
+
+def test_bench_runs_ngram_variants_beside_llama_cpps_own(llama_server, pair, demo_data, tmp_path):
+    """--ngram: lookup alone and in front of each tuned draft, identical answers, acceptance split by source, and
+    llama.cpp's ngram-simple (alone and before draft-simple) on the same prompts."""
+    from spectune.bench.run import BenchConfig, bench
+    from spectune.runtime.ngram import NgramSettings
+
+    target, draft = pair
+    config = BenchConfig(
+        target=target, drafts={"generic": draft, "sft": draft}, data=demo_data, out=tmp_path, n=3, repeats=1,
+        max_tokens=32, draft_max=3, threads=1, peer=True, plot=False, ngram=NgramSettings(), ngram_data=demo_data,
+    )  # fmt: skip
+    summary = bench(config)["summary"]
+    assert list(summary) == ["generic", "sft", "ngram", "ngram+sft"]  # no n-gram in front of the untrained control
+    for name in ("ngram", "ngram+sft"):
+        assert summary[name]["identical"] == summary[name]["llama_cpp_identical"] == 3
+    alone, combined = summary["ngram"], summary["ngram+sft"]
+    assert alone["cost_ratio"] == 0.0 and alone["gpu_cost_ratio"] == 0.0  # a lookup costs no model step
+    assert alone["ngram_step_share"] > 0 and alone["ngram_drafted"] == round(
+        alone["mean_drafted_per_step"] * sum(row["variants"]["ngram"]["verify_steps"] for row in bench_rows(tmp_path))
+    )
+    # in front of the draft, the model's cost is paid only on the share it drafted
+    assert 0 < combined["ngram_step_share"] < 1 and combined["cost_ratio"] < summary["sft"]["cost_ratio"]
+
+
+def bench_rows(folder):
+    return json.loads((folder / "report.json").read_text())["prompts"]

@@ -25,12 +25,14 @@ from spectune.pipeline import (
     DraftsSettings,
     ModelsSettings,
     RunConfig,
+    domain_data,
     load_run_config,
     path_hash,
     run_pipeline,
     stages,
 )
 from spectune.serve.app import ServeConfig
+from spectune.train.draft import TARGET_ANSWERS
 
 DATA = Path(__file__).parent / "data"
 CONFIGS = Path(__file__).parent.parent / "configs"
@@ -287,3 +289,19 @@ def test_a_benchmarks_bench_override_changes_the_bench_stage_alone(monkeypatch):
     with pytest.raises(SpectuneError) as refused:
         config_from_command_line("demo:micro", {"n": 0, "pier": True})
     assert {problem.field for problem in refused.value.problems} == {"n", "pier"}
+
+
+def test_the_ngram_domain_table_reads_seqkds_target_answers_where_there_are_some(tmp_path):
+    """bench.ngram: the domain table is the tuned target's own answers (seqkd writes them), else the train file; a
+    new answers file reruns the bench."""
+    values = {"run_dir": str(tmp_path), "drafts": {"methods": ["sft", "seqkd"]}, "bench": {"ngram": {}}}
+    config = validate(RunConfig, values, "test")
+    context = Context(config, config.layout, {})
+    bench_stage_of = {stage.name: stage for stage in stages(config)}["bench"]
+    assert domain_data(context) == config.layout.train_file
+    answers = config.layout.draft_dir("seqkd") / TARGET_ANSWERS
+    answers.parent.mkdir(parents=True)
+    answers.write_text('{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Hi."}]}\n')
+    assert domain_data(context) == answers and answers in bench_stage_of.reads(context)
+    plain = validate(RunConfig, {**values, "bench": {}}, "test")
+    assert answers not in bench_stage_of.reads(Context(plain, plain.layout, {}))

@@ -40,6 +40,8 @@ def _flag_type(annotation: Any) -> tuple[Any, str]:
         return list[inner], f"{note}; repeatable" if note else "repeatable"
     if origin is dict:
         return list[str], "NAME=VALUE; repeatable"
+    if inspect.isclass(annotation) and issubclass(annotation, BaseModel):
+        return list[str], f"on, or NAME=VALUE of {', '.join(annotation.model_fields)}; repeatable"
     raise TypeError(f"no CLI flag for a field of type {annotation}")
 
 
@@ -58,13 +60,22 @@ def _option(name: str, field: FieldInfo) -> inspect.Parameter:
     )
 
 
+def _settings_class(annotation: Any) -> bool:
+    """A field whose value is a settings section of its own (optional or not)."""
+    args = [arg for arg in typing.get_args(annotation) if arg is not type(None)] or [annotation]
+    return len(args) == 1 and inspect.isclass(args[0]) and issubclass(args[0], BaseModel)
+
+
 def _named_values(model: type[BaseModel], values: dict[str, Any]) -> dict[str, Any]:
-    """NAME=VALUE items of dict-typed fields into mappings."""
+    """NAME=VALUE items of dict-typed and section-typed fields into mappings (`on`: a section's defaults)."""
     out = dict(values)
     for name, field in model.model_fields.items():
-        if typing.get_origin(field.annotation) is dict and values.get(name) is not None:
+        section = _settings_class(field.annotation)
+        if (section or typing.get_origin(field.annotation) is dict) and values.get(name) is not None:
             pairs = {}
             for item in values[name]:
+                if section and item == "on":
+                    continue
                 key, sep, value = item.partition("=")
                 if not sep or not key:
                     raise SpectuneError(f"--{name.replace('_', '-')} {item}: expected NAME=VALUE")

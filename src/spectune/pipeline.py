@@ -40,7 +40,15 @@ from spectune.models.imported import REAL_MODELS, fetch
 from spectune.models.world import RECIPES, build_pair
 from spectune.threads import configure_torch_threads, thread_count
 from spectune.train.acceptance import AcceptanceConfig, AcceptanceSettings, run_acceptance
-from spectune.train.draft import DEFAULT_DIVERGENCE, DraftConfig, DraftSettings, Method, method_problems, train_draft
+from spectune.train.draft import (
+    DEFAULT_DIVERGENCE,
+    TARGET_ANSWERS,
+    DraftConfig,
+    DraftSettings,
+    Method,
+    method_problems,
+    train_draft,
+)
 from spectune.train.plan import parse_memory, plan_report, read_shape
 from spectune.train.target import FinetuneConfig, FinetuneSettings, finetune, merge
 
@@ -62,8 +70,10 @@ class ModelsSettings(Settings):
         None, description="... or a real model that installs offline (`spectune models fetch`) as the target ..."
     )
     target: Path | None = Field(None, description="... or your own local HF target folder;")
-    draft: Path | Literal["target-layers"] | None = Field(
-        None, description="the draft: a local HF folder, or target-layers (made from the target's own layers)."
+    draft: Literal[tuple(REAL_MODELS)] | Literal["target-layers"] | Path | None = Field(  # type: ignore[valid-type]
+        None,
+        description="the draft: a local HF folder, a real model that installs offline (a sibling of the target), "
+        "or target-layers (made from the target's own layers).",
     )
     draft_layers: list[int] = Field(
         [0, 1],  # on SmolLM2 the first two beat layers 0 and 29 and four layers (benchmarks/draft_shapes.py)
@@ -284,6 +294,8 @@ def base_draft_stage(context: Context) -> dict[str, Any]:
     section, target = context.config.models, context.outputs["target"]
     if section.draft == "target-layers":
         return {"draft": str(derive_draft(Path(target["target"]), section.draft_layers, context.layout.derived_draft))}
+    if section.draft in REAL_MODELS:
+        return {"draft": str(fetch(section.draft))}
     return {"draft": str(section.draft or target["pair_draft"])}
 
 
@@ -366,9 +378,17 @@ def bench_stage(context: Context) -> dict[str, Any]:
         out=layout.bench_dir,
         recommended_k={row["name"]: row["recommended_k"] for row in context.outputs["acceptance"]["drafts"]},
         threads=context.config.threads,
+        ngram_data=domain_data(context) if context.config.bench.ngram else None,
         **context.config.bench.model_dump(),
     )
     return {"summary": bench(config)["summary"], "report": str(layout.bench_dir / "report.md")}
+
+
+def domain_data(context: Context) -> Path:
+    """What fills the n-gram domain table: the tuned target's own answers where seqkd made them, else the train
+    dialogues the target was tuned on."""
+    answers = context.layout.draft_dir("seqkd") / TARGET_ANSWERS
+    return answers if "seqkd" in context.config.drafts.methods and answers.is_file() else context.layout.train_file
 
 
 def _train_file(context: Context) -> list[Path]:
@@ -377,6 +397,10 @@ def _train_file(context: Context) -> list[Path]:
 
 def _eval_file(context: Context) -> list[Path]:
     return [context.layout.eval_file]
+
+
+def _bench_files(context: Context) -> list[Path]:
+    return [context.layout.eval_file, *([domain_data(context)] if context.config.bench.ngram else [])]
 
 
 def _target_folder(context: Context) -> list[Path]:
@@ -423,7 +447,9 @@ def stages(config: RunConfig) -> list[Stage]:
         ),
         Stage("acceptance", acceptance_stage, lambda c: c.acceptance, ("target", *bases, *drafts), _eval_file),
         Stage("export", export_stage, lambda c: [c.export, c.threads], (*bases, *drafts, "acceptance"), _eval_file),
-        Stage("bench", bench_stage, lambda c: [c.bench, thread_count(c.threads)], ("export", "acceptance"), _eval_file),
+        Stage(
+            "bench", bench_stage, lambda c: [c.bench, thread_count(c.threads)], ("export", "acceptance"), _bench_files
+        ),
     ]
 
 

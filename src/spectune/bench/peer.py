@@ -18,7 +18,7 @@ import httpx
 
 from spectune.engines.llama_cpp import SERVER, built_tool
 from spectune.engines.llama_cpp import SPECULATIVE_TOOL as TOOL
-from spectune.engines.llama_server import LlamaServer, free_port, server_command, server_env
+from spectune.engines.llama_server import LlamaServer, free_port, server_command, server_env, speculation_flags
 from spectune.errors import SpectuneError
 
 LOG_ATTEMPTS = 8
@@ -48,21 +48,22 @@ def _field(pattern: str, log: str) -> str:
 def run_peer(
     binary: Path,
     target: Path,
-    draft: Path,
+    draft: Path | None,
     prompt: str,
     draft_tokens: int,
     max_tokens: int,
     threads: int,
     n_ctx: int,
     exact: bool,
+    ngram_n: int = 0,
 ) -> PeerRun:
-    """One greedy speculative generation by llama.cpp; its own timings (decode only, prompt excluded)."""
+    """One greedy speculative generation by llama.cpp, with a draft model and/or, where `ngram_n` > 0, its own
+    n-gram speculator in front; its own timings (decode only, prompt excluded)."""
     command = [
         str(binary),
-        *("-m", str(target), "-md", str(draft), "--spec-type", "draft-simple"),
+        *("-m", str(target), *speculation_flags(draft, draft_tokens, threads, ngram_n)),
         *("-p", prompt, "-n", str(max_tokens), "-c", str(n_ctx), "--temp", "0", "--top-k", "1"),
-        *("--spec-draft-n-max", str(draft_tokens), "--spec-draft-n-min", "0", "--spec-draft-p-min", "0"),
-        *("-t", str(threads), "-tb", str(threads), "-td", str(threads), "-tbd", str(threads)),
+        *("-t", str(threads), "-tb", str(threads)),
         *(("--no-repack", "-fa", "off") if exact else ()),
     ]
     env = {**os.environ, **server_env(exact, None)}

@@ -19,25 +19,28 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 from rich.console import Console
 
 from spectune.atomic import atomic_path
 from spectune.bench.peer import PeerRun, llama_baseline, run_peer
 from spectune.config import Settings
 from spectune.data.prepare import read_prompts
+from spectune.data.read import assistant_turns
 from spectune.engines.llama_cpp import SPECULATIVE_TOOL, built_tool
 from spectune.errors import SpectuneError
-from spectune.layout import TARGET
+from spectune.layout import CONTROL_DRAFT, TARGET
 from spectune.runtime.build import identity_verdict
 from spectune.runtime.chat import CLAUSE_END, chat_prompt
 from spectune.runtime.llama import LlamaModel
+from spectune.runtime.ngram import NgramDrafter, NgramSettings, domain_table
 from spectune.runtime.profile import measure_profile
 from spectune.runtime.speculative import Generation, SamplingConfig, SpeculativeDecoder
 from spectune.speedup import DEFAULT_DRAFT_MAX, speedup_of_steps, verify_ratio_at
 
 console = Console()
 Result = TypeVar("Result")
+NGRAM = "ngram"  # the n-gram variants: `ngram` alone, `ngram+DRAFT` in front of a draft model
 # What benchmarks/speculative.py and benchmarks/gpu/bench.py keep of each draft's summary.
 SUMMARY_KEYS = (
     "n",
@@ -69,6 +72,10 @@ SUMMARY_KEYS = (
     "predicted_speedup_here",
     "predicted_speedup_gpu",
     "gpu_cost_ratio",
+    "ngram_step_share",
+    "ngram_drafted",
+    "ngram_acceptance",
+    "ngram_context_share",
 )
 COLD_KEYS = ("cold_ttft_ms", "cold_ttfs_ms", "cold_ttfs_first_clause_alone_ms")  # per prompt, a new caller's
 PEER_KEYS = (  # present where --peer ran llama.cpp's own decoders
@@ -105,6 +112,12 @@ class BenchSettings(Settings):
     adaptive: bool = Field(False, description="Adapt k to the running acceptance.")
     exact: bool = Field(True, description="Batched logits equal to one-token ones (identical greedy answers).")
     peer: bool = Field(False, description="Also run llama.cpp's own speculative decoder on each pair.")
+    ngram: NgramSettings | None = Field(
+        None, description="Also n-gram lookup: `ngram` alone, and `ngram+DRAFT` in front of tuned drafts."
+    )
+    ngram_with: list[str] | None = Field(
+        None, description="The drafts n-gram lookup goes in front of (default: every tuned one)."
+    )
 
     @field_validator("draft_max")
     @classmethod
@@ -127,15 +140,41 @@ class BenchConfig(BenchSettings):
     gpu_cost_ratio: dict[str, float] = Field({}, description="c per draft for the GPU prediction (default: sizes).")
     peer_binary: Path | None = Field(None, description="llama-speculative-simple to compare with (default: built).")
     plot: bool = Field(True, description="Also draw PNG plots.")
+    ngram_data: Path | None = Field(
+        None, description="Chat dataset whose assistant turns fill the n-gram domain table (the target's answers)."
+    )
+
+    @model_validator(mode="after")
+    def _known_drafts(self) -> BenchConfig:
+        unknown = sorted(set(self.ngram_with or []) - set(self.drafts))
+        if unknown:
+            raise ValueError(f"ngram_with: no draft named {', '.join(unknown)} (drafts: {', '.join(self.drafts)})")
+        return self
+
+    def variants(self) -> dict[str, Path | None]:
+        """Every variant's draft model (None: n-gram lookup alone), the target alone not included."""
+        ngram: dict[str, Path | None] = {NGRAM: None} if self.ngram else {}
+        if self.ngram:
+            fronted = self.ngram_with if self.ngram_with is not None else set(self.drafts) - {CONTROL_DRAFT}
+            ngram |= {f"{NGRAM}+{name}": path for name, path in self.drafts.items() if name in fronted}
+        return {**self.drafts, **ngram}
 
 
 def load_decoders(config: BenchConfig) -> tuple[LlamaModel, dict[str, SpeculativeDecoder]]:
-    """The target alone, then the target with each draft (one target context shared)."""
+    """The target alone, then the target with each draft and n-gram variant (one context per model, shared: a
+    cache holds what it holds by content, whichever decoder filled it)."""
     target = LlamaModel(config.target, n_ctx=config.n_ctx, threads=config.threads, exact=config.exact)
     decoders = {TARGET: SpeculativeDecoder(target)}
-    for name, path in config.drafts.items():
-        draft = LlamaModel(path, n_ctx=config.n_ctx, threads=config.threads, exact=config.exact)
-        decoders[name] = SpeculativeDecoder(target, draft)
+    models = {
+        name: LlamaModel(path, n_ctx=config.n_ctx, threads=config.threads, exact=config.exact)
+        for name, path in config.drafts.items()
+    }
+    answers = assistant_turns(config.ngram_data) if config.ngram and config.ngram_data else []
+    domain = domain_table(config.ngram, [target.tokenize(a, special=False) for a in answers]) if config.ngram else None
+    for name in config.variants():
+        draft_name = name.removeprefix(f"{NGRAM}+") if name != NGRAM else None
+        ngram = NgramDrafter(config.ngram, domain) if config.ngram and name.startswith(NGRAM) else None
+        decoders[name] = SpeculativeDecoder(target, models.get(draft_name or ""), ngram)
     return target, decoders
 
 
@@ -167,20 +206,16 @@ def bench(config: BenchConfig) -> dict[str, Any]:
             bench_prompt(index, prompt.messages, target, decoders, sampling, peer, baseline, config)
             for index, prompt in enumerate(prompts)
         ]
-    profiles = {
-        name: measure_profile(
-            config.target, path, max_batch=draft_length(config, name) + 1, threads=config.threads, exact=config.exact
-        )
-        for name, path in config.drafts.items()
-    }
+    profiles = variant_profiles(config)
     report = {
         "target": str(config.target),
         "drafts": {name: str(path) for name, path in config.drafts.items()},
+        "ngram_data": str(config.ngram_data) if config.ngram_data else None,
         "data": str(config.data),
         "settings": {
             **config.model_dump(mode="json", include=set(BenchSettings.model_fields)),
             "n": len(prompts),
-            "draft_max": {name: draft_length(config, name) for name in config.drafts},
+            "draft_max": {name: draft_length(config, name) for name in config.variants()},
             "threads": target.threads,
             "greedy": True,
             "peer": "llama.cpp llama-speculative-simple" if config.peer else None,
@@ -189,7 +224,9 @@ def bench(config: BenchConfig) -> dict[str, Any]:
         # Said beside the identical counts: can this build promise them for this target? (The draft only proposes.)
         "identity": verdict,
         "prompts": rows,
-        "summary": {name: _summary(name, rows, profiles[name], config, path) for name, path in config.drafts.items()},
+        "summary": {
+            name: _summary(name, rows, profiles[name], config, path) for name, path in config.variants().items()
+        },
     }
     write_report(report, config.out, config.plot)
     return report
@@ -329,6 +366,10 @@ def prompt_row(
             "accepted_as_llama_cpp": stats[0].accepted_as_llama_cpp,
             "drafted_at": stats[0].drafted_at,
             "accepted_at": stats[0].accepted_at,
+            "ngram_steps": stats[0].ngram_steps,
+            "ngram_drafted": stats[0].ngram_drafted,
+            "ngram_accepted": stats[0].ngram_accepted,
+            "ngram_from_context": stats[0].ngram_from_context,
             "draft_seconds": statistics.median(s.draft_seconds for s in stats),
             "verify_seconds": statistics.median(s.verify_seconds for s in stats),
             "identical": all(r.tokens == plain_tokens for r in results),
@@ -356,12 +397,28 @@ def prompt_row(
 
 
 def draft_length(config: BenchConfig, name: str) -> int:
-    """k for this draft (0 for the target alone)."""
-    if name not in config.drafts:
+    """k for this variant (0 for the target alone); `ngram+DRAFT` drafts as far as DRAFT does."""
+    if name not in config.variants():
         return 0
     if config.draft_max == "auto":
-        return config.recommended_k.get(name, DEFAULT_DRAFT_MAX)
+        return config.recommended_k.get(name.removeprefix(f"{NGRAM}+"), DEFAULT_DRAFT_MAX)
     return config.draft_max
+
+
+def variant_profiles(config: BenchConfig) -> dict[str, dict[str, Any]]:
+    """c and r(n) per variant: each draft model's measured; n-gram lookup costs nothing (c = 0, the target's r)."""
+    profiles = {}
+    for name, path in config.variants().items():
+        if name.startswith(NGRAM) and name != NGRAM:
+            continue  # the draft's own, below
+        max_batch = draft_length(config, name) + 1
+        measured = measure_profile(
+            config.target, path or config.target, max_batch, threads=config.threads, exact=config.exact
+        )
+        profiles[name] = measured if path else {**measured, "cost_ratio": 0.0, "draft_ms_per_token": 0.0}
+    for name in config.variants():
+        profiles.setdefault(name, profiles[name.removeprefix(f"{NGRAM}+")])
+    return profiles
 
 
 def without_bos(target: LlamaModel, text: str) -> str:
@@ -381,13 +438,14 @@ def peer_runner(config: BenchConfig, target: LlamaModel) -> Callable[[str, str],
         return run_peer(
             binary,
             config.target,
-            config.drafts[name],
+            config.variants()[name],
             without_bos(target, text),
             draft_length(config, name),
             config.max_tokens,
             target.threads,
             config.n_ctx,
             config.exact,
+            ngram_n=config.ngram.min_n if config.ngram and name.startswith(NGRAM) else 0,
         )
 
     return run
@@ -398,7 +456,9 @@ def totals(variants: list[dict[str, Any]]) -> tuple[int, float]:
     return sum(v["tokens"] for v in variants), sum(v["decode_seconds"] for v in variants)
 
 
-def _summary(name: str, rows: list[dict], profile: dict, config: BenchConfig, draft_path: Path) -> dict[str, Any]:
+def _summary(
+    name: str, rows: list[dict], profile: dict, config: BenchConfig, draft_path: Path | None
+) -> dict[str, Any]:
     variants = [row["variants"][name] for row in rows]
     speedups = [v["speedup"] for v in variants]
     # The headline: all tokens over all decode time, with the draft over the target alone (a mean of per-prompt
@@ -410,8 +470,12 @@ def _summary(name: str, rows: list[dict], profile: dict, config: BenchConfig, dr
     steps = sum(v["verify_steps"] for v in variants)
     tau = sum(v["produced"] for v in variants) / max(1, steps)
     k = draft_length(config, name)
-    cost_ratio = profile["cost_ratio"]
-    gpu_c = config.gpu_cost_ratio.get(name) or draft_path.stat().st_size / config.target.stat().st_size
+    ngram_drafted = sum(v["ngram_drafted"] for v in variants)
+    # The draft model's cost is paid on the tokens it drafted, not on those looked up: c per drafted token, averaged
+    model_share = (drafted - ngram_drafted) / drafted if drafted else float(draft_path is not None)
+    cost_ratio = profile["cost_ratio"] * model_share
+    size_c = draft_path.stat().st_size / config.target.stat().st_size if draft_path else 0.0
+    gpu_c = (config.gpu_cost_ratio.get(name) or size_c) * model_share
     per_position = [a / d if d else 0.0 for d, a in zip(drafted_at, accepted_at, strict=True)]
     return {
         **versus_llama_cpp(variants, [row["variants"][TARGET] for row in rows], seconds),
@@ -439,10 +503,23 @@ def _summary(name: str, rows: list[dict], profile: dict, config: BenchConfig, dr
         "verify_ratio": verify_ratio_at(profile["verify_ratio"], k + 1),
         "profile": profile,
         "mean_drafted_per_step": drafted / steps if steps else 0.0,
+        **ngram_figures(variants),
         # The step-cost model on the drafts each step really made (k at most): see speedup_of_steps
         "predicted_speedup_here": speedup_of_steps(tau, drafted_at, steps, cost_ratio, profile["verify_ratio"]),
         "gpu_cost_ratio": gpu_c,
         "predicted_speedup_gpu": speedup_of_steps(tau, drafted_at, steps, gpu_c, None),
+    }
+
+
+def ngram_figures(variants: list[dict[str, Any]]) -> dict[str, Any]:
+    """How often n-gram lookup proposed, how much of it was accepted, and where it came from (pooled)."""
+    steps = sum(v["verify_steps"] for v in variants)
+    drafted, accepted = (sum(v[key] for v in variants) for key in ("ngram_drafted", "ngram_accepted"))
+    return {
+        "ngram_step_share": sum(v["ngram_steps"] for v in variants) / steps if steps else 0.0,
+        "ngram_drafted": drafted,
+        "ngram_acceptance": accepted / drafted if drafted else 0.0,
+        "ngram_context_share": sum(v["ngram_from_context"] for v in variants) / drafted if drafted else 0.0,
     }
 
 
@@ -542,7 +619,7 @@ def markdown(report: dict[str, Any]) -> str:
             f"{s['cost_ratio']:.3f} | {s['verify_ratio']:.2f} | {s['predicted_speedup_here']:.2f}x | "
             f"{s['predicted_speedup_gpu']:.2f}x (c = {s['gpu_cost_ratio']:.3f}) |"
         )
-    lines += latency_lines(report) + llama_cpp_lines(report)
+    lines += latency_lines(report) + ngram_lines(report) + llama_cpp_lines(report)
     timed = [s["target_total_seconds"] for s in report["summary"].values()]
     if timed and min(timed) < 2.0:
         lines += ["", f"The target alone decoded for {min(timed):.2f} s in all: too little to time reliably."]
@@ -578,6 +655,28 @@ def latency_lines(report: dict[str, Any]) -> list[str]:
             f"{s['cold_ttfs_first_clause_alone_ms']:.0f} ({s['target_cold_ttfs_ms']:.0f}) |"
         )
     return lines
+
+
+def ngram_lines(report: dict[str, Any]) -> list[str]:
+    """What n-gram lookup did in each variant that used it: how often it proposed, how much the target kept."""
+    looked_up = {name: s for name, s in report["summary"].items() if s["ngram_drafted"]}
+    if not looked_up:
+        return []
+    lines = [
+        "",
+        "| variant | steps proposed by lookup | tokens looked up | of them accepted | from the conversation |",
+        "|---|---|---|---|---|",
+    ]
+    for name, s in looked_up.items():
+        lines.append(
+            f"| {name} | {s['ngram_step_share']:.1%} | {s['ngram_drafted']} | {s['ngram_acceptance']:.1%} | "
+            f"{s['ngram_context_share']:.1%} |"
+        )
+    return [
+        *lines,
+        "Looked-up tokens not from the conversation came from the domain table (the target's own answers); a step "
+        "the lookup did not propose for was the draft model's.",
+    ]
 
 
 def llama_cpp_lines(report: dict[str, Any]) -> list[str]:

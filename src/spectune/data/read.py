@@ -24,7 +24,6 @@ SHAREGPT_ROLES = {
     "assistant": "assistant",
     "model": "assistant",
 }
-FORMATS = ("messages", "sharegpt", "alpaca")
 
 
 @dataclass
@@ -192,6 +191,13 @@ def read_dialogues(path: str | Path, *, system: str | None = None, skip_invalid:
     if not dialogues:
         raise SpectuneError(f"{path}: no usable dialogues ({records} records read)", problems)
     return ReadResult(dialogues, fmt or "messages", records, problems)
+
+
+def assistant_turns(path: str | Path) -> list[str]:
+    """Every assistant turn of a chat dataset, in order (what n-gram lookup's domain table is built from)."""
+    return [
+        turn["content"] for d in read_dialogues(path).dialogues for turn in d.messages if turn["role"] == "assistant"
+    ]
 
 
 def write_jsonl(dialogues: Iterable[Dialogue], path: str | Path) -> int:

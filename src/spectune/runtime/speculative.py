@@ -26,6 +26,7 @@ import numpy as np
 from spectune.errors import SpectuneError
 from spectune.runtime.chat import CLAUSE_END
 from spectune.runtime.llama import LlamaModel
+from spectune.runtime.ngram import NgramDrafter
 from spectune.runtime.pair import check_pair
 from spectune.speedup import DEFAULT_DRAFT_MAX
 
@@ -77,7 +78,8 @@ class Sampler(Protocol):
         ...
 
     def verify(self, rows: np.ndarray, drafts: list[int], draft_probs: list[np.ndarray]) -> tuple[int, int]:
-        """(number of drafts accepted, the target's own next token) from the target's logits `rows`."""
+        """(number of drafts accepted, the target's own next token) from the target's logits `rows`; `draft_probs`
+        is empty for a proposal that was looked up, not sampled (an n-gram's: q is then one-hot)."""
         ...
 
 
@@ -111,7 +113,11 @@ class StochasticSampler:
     def verify(self, rows: np.ndarray, drafts: list[int], draft_probs: list[np.ndarray]) -> tuple[int, int]:
         for index, token in enumerate(drafts):
             p = probabilities(rows[index], self.config)
-            q = draft_probs[index]
+            if draft_probs:
+                q = draft_probs[index]
+            else:
+                q = np.zeros_like(p)
+                q[token] = 1.0
             if self.rng.random() < min(1.0, p[token] / q[token]):
                 continue
             residual = np.maximum(p - q, 0.0)
@@ -129,45 +135,66 @@ def make_sampler(config: SamplingConfig) -> Sampler:
 
 
 class Drafter:
-    """The draft model and its own KV cache (llama.cpp's common_speculative): proposes tokens after a sequence."""
+    """What proposes (llama.cpp's common_speculative): n-gram lookup first where it knows the continuation, else the
+    draft model, which owns its KV cache. Either may be absent."""
 
-    def __init__(self, model: LlamaModel, is_end: Callable[[int], bool]) -> None:
-        self.model, self.is_end = model, is_end
-        self.caught_up = (0, 0.0)  # (tokens, seconds) of the last propose's catch-up on the sequence
+    def __init__(
+        self, model: LlamaModel | None, is_end: Callable[[int], bool], ngram: NgramDrafter | None = None
+    ) -> None:
+        self.model, self.is_end, self.ngram = model, is_end, ngram
+        self.caught_up = (0, 0.0)  # (tokens, seconds) of the draft model's last catch-up on the sequence
 
     def behind(self, sequence: list[int]) -> int:
-        """How many of `sequence`'s tokens the draft's cache lacks (its catch-up before it can propose)."""
-        return len(sequence) - self.model.reusable_prefix(sequence[:-1])
+        """How many of `sequence`'s tokens the draft model's cache lacks (its catch-up before it can propose)."""
+        return 0 if self.model is None else len(sequence) - self.model.reusable_prefix(sequence[:-1])
 
-    def propose(
-        self, sequence: list[int], k: int, sampler: Sampler, p_min: float
-    ) -> tuple[list[int], list[np.ndarray]]:
-        """Up to k tokens; stops early at an end token or below `p_min` confidence."""
+    def propose(self, sequence: list[int], k: int, sampler: Sampler, p_min: float) -> Proposal:
+        """Up to k tokens; stops early at an end token or below `p_min` confidence (the draft model's)."""
+        self.caught_up = (0, 0.0)
+        if self.ngram is not None:
+            looked_up = self.ngram.propose(sequence, k, self.is_end)
+            if looked_up.tokens or self.model is None:
+                return Proposal(looked_up.tokens, [], "ngram", looked_up.from_context)
+        return self._propose_from_model(sequence, k, sampler, p_min)
+
+    def _propose_from_model(self, sequence: list[int], k: int, sampler: Sampler, p_min: float) -> Proposal:
+        assert self.model is not None
         start = time.perf_counter()
         common = self.model.reusable_prefix(sequence[:-1])  # always decode at least the last token
         logits = self.model.decode(sequence[common:], common, all_logits=False, copy=False)[-1]
         self.caught_up = (len(sequence) - common, time.perf_counter() - start)
-        drafts: list[int] = []
-        draft_probs: list[np.ndarray] = []
+        proposal = Proposal([], [], "draft")
         while True:
             token, confidence, probs = sampler.draft_token(logits)
             if confidence < p_min:
-                return drafts, draft_probs
-            drafts.append(token)
+                return proposal
+            proposal.tokens.append(token)
             if probs is not None:
-                draft_probs.append(probs)
-            if len(drafts) == k or self.is_end(token):  # nothing after an end token is ever used
-                return drafts, draft_probs
+                proposal.probs.append(probs)
+            if len(proposal.tokens) == k or self.is_end(token):  # nothing after an end token is ever used
+                return proposal
             logits = self.model.decode([token], len(self.model.cached), all_logits=False, copy=False)[-1]
 
 
 @dataclass
+class Proposal:
+    tokens: list[int]
+    probs: list[np.ndarray]  # the draft distributions they were sampled from; empty when greedy or looked up
+    source: Literal["draft", "ngram", ""]
+    from_context: int = 0  # n-gram tokens the conversation proposed (the rest: the domain table)
+
+
+@dataclass
 class Step:
-    drafts: list[int]
+    proposal: Proposal
     accepted: int
     tokens: list[int]  # the accepted drafts and the target's own token
     draft_seconds: float
     verify_seconds: float
+
+    @property
+    def drafts(self) -> list[int]:
+        return self.proposal.tokens
 
 
 def speculative_step(
@@ -182,15 +209,15 @@ def speculative_step(
     """Propose k, verify in one target batch, accept. `sequence`'s last token is not yet in the target's cache;
     the target may not end the answer at its first `no_end_rows` positions (min_tokens, ignore_eos)."""
     start = time.perf_counter()
-    drafts, draft_probs = drafter.propose(sequence, k, sampler, p_min) if drafter and k > 0 else ([], [])
+    proposal = drafter.propose(sequence, k, sampler, p_min) if drafter and k > 0 else Proposal([], [], "")
     drafted = time.perf_counter()
-    position = len(sequence) - 1
+    position, drafts = len(sequence) - 1, proposal.tokens
     rows = target.decode([sequence[-1], *drafts], position, all_logits=True, copy=False)  # read before any decode
     if no_end_rows:
         rows[:no_end_rows, target.end_tokens] = -np.inf
-    accepted, own = sampler.verify(rows, drafts, draft_probs)
+    accepted, own = sampler.verify(rows, drafts, proposal.probs)
     target.truncate(position + 1 + accepted)  # keep the last token and the accepted drafts
-    return Step(drafts, accepted, [*drafts[:accepted], own], drafted - start, time.perf_counter() - drafted)
+    return Step(proposal, accepted, [*drafts[:accepted], own], drafted - start, time.perf_counter() - drafted)
 
 
 @dataclass
@@ -206,6 +233,10 @@ class Stats:
     # accepted end token before the k-th draft counted as the target's own token, not as accepted.
     offered: int = 0
     accepted_as_llama_cpp: int = 0
+    ngram_steps: int = 0  # steps whose proposal was looked up, not drafted by the model
+    ngram_drafted: int = 0
+    ngram_accepted: int = 0
+    ngram_from_context: int = 0  # proposed tokens the conversation gave (the rest: the domain table)
     verify_steps: int = 0
     drafted_at: list[int] = field(default_factory=list)  # per draft position
     accepted_at: list[int] = field(default_factory=list)
@@ -225,6 +256,11 @@ class Stats:
         end_accepted_early = ended is not None and ended < step.accepted and ended + 1 < offered
         self.accepted_as_llama_cpp += step.accepted - end_accepted_early
         self.accepted += step.accepted
+        if step.proposal.source == "ngram":
+            self.ngram_steps += 1
+            self.ngram_drafted += len(step.drafts)
+            self.ngram_accepted += step.accepted
+            self.ngram_from_context += step.proposal.from_context
         self.draft_seconds += step.draft_seconds
         self.verify_seconds += step.verify_seconds
         missing = len(step.drafts) - len(self.drafted_at)
@@ -374,20 +410,22 @@ class Pace:
 
 
 class SpeculativeDecoder:
-    """Target alone (draft None or draft_max 0) or target + draft, one sequence at a time."""
+    """Target alone (no draft nor n-gram, or draft_max 0), or target + draft model and/or n-gram lookup, one
+    sequence at a time."""
 
-    def __init__(self, target: LlamaModel, draft: LlamaModel | None = None) -> None:
+    def __init__(self, target: LlamaModel, draft: LlamaModel | None = None, ngram: NgramDrafter | None = None) -> None:
         if draft is not None:
             check_pair(target.path, draft.path)  # llama.cpp's own pair rules; raises with the first mismatch
         self.target = target
-        self.drafter = Drafter(draft, target.is_end) if draft is not None else None
+        has_drafter = draft is not None or ngram is not None
+        self.drafter = Drafter(draft, target.is_end, ngram) if has_drafter else None
         self.pace = Pace()
         self.progress = Stats()  # the running generation's statistics, as they grow (a server's live usage)
 
     def forget(self) -> None:
         """Drop both KV caches (the next prompt shares nothing with the previous one, e.g. another caller's)."""
         self.target.truncate(0)
-        if self.drafter is not None:
+        if self.drafter is not None and self.drafter.model is not None:
             self.drafter.model.truncate(0)
 
     def _prefill(self, prompt: list[int], stats: Stats, keep_going: Callable[[], bool]) -> bool:
@@ -434,7 +472,8 @@ class SpeculativeDecoder:
         """Generate after `prompt`. `on_text` gets the final text after every step (possibly empty); returning
         False stops the generation (finish reason "cancelled"). Neither model can be freed while it runs, not even
         at interpreter exit (logits are read in place, and the text is made from the model's vocabulary)."""
-        draft_busy = self.drafter.model.busy if self.drafter else contextlib.nullcontext()
+        draft_model = self.drafter.model if self.drafter else None
+        draft_busy = draft_model.busy if draft_model else contextlib.nullcontext()
         with self.target.busy, draft_busy:
             return self._generate(prompt, config, on_text)
 
@@ -455,7 +494,8 @@ class SpeculativeDecoder:
             # The first token never waits for the draft; the first clause neither, where it comes sooner alone.
             draft = bool(output) and not alone_until_clause
             step, step_k = self._step(sequence, len(output), k, config, sampler, draft)
-            if step_k and not stats.offered:  # the draft's first proposal: what it found in its own cache
+            if step.proposal.source == "draft" and stats.drafted == stats.ngram_drafted:  # the model's first one:
+                # what the draft model found in its own cache
                 stats.draft_reused_prompt_tokens = len(sequence) - self.drafter.caught_up[0]
             ended = next((i for i, token in enumerate(step.tokens) if self.target.is_end(token)), None)
             stats.record(step, ended, step_k)

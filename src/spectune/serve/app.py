@@ -30,12 +30,14 @@ from pydantic import Field, ValidationError, model_validator
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from spectune.config import Settings
+from spectune.data.read import assistant_turns
 from spectune.engines.llama_server import free_port
 from spectune.errors import SpectuneError
 from spectune.layout import RunLayout
 from spectune.runtime.build import identity_verdict
 from spectune.runtime.chat import CLAUSE_END, chat_tokens
 from spectune.runtime.llama import LlamaModel
+from spectune.runtime.ngram import NgramDrafter, NgramSettings, NgramTable, domain_table
 from spectune.runtime.speculative import FirstWords, Generation, SamplingConfig, SpeculativeDecoder, Stats
 from spectune.serve.schema import ChatRequest, lone_surrogate, unsupported_parameter
 from spectune.speedup import DEFAULT_DRAFT_MAX
@@ -50,6 +52,7 @@ SPECTUNE_ONLY = {
     "header_timeout",
     "keep_alive",
     "first_words",
+    "ngram_data",  # llama-server's n-gram speculator reads the conversation only
 }
 log = logging.getLogger("spectune.serve")
 
@@ -90,6 +93,12 @@ class ServeConfig(Settings):
         10.0, gt=0, description="Seconds a connection may take to send a request's headers (half-open, slowloris)."
     )
     keep_alive: float = Field(5.0, gt=0, description="Seconds an idle keep-alive connection stays open.")
+    ngram: NgramSettings | None = Field(
+        None, description="N-gram lookup in front of the draft (or alone): the conversation's, and the domain's."
+    )
+    ngram_data: Path | None = Field(
+        None, description="Chat dataset whose assistant turns fill the n-gram domain table (the target's answers)."
+    )
 
     @model_validator(mode="after")
     def _pair(self) -> ServeConfig:
@@ -109,14 +118,15 @@ class ServeConfig(Settings):
 
 
 class Slot:
-    def __init__(self, config: ServeConfig) -> None:
+    def __init__(self, config: ServeConfig, domain: NgramTable | None) -> None:
         self.target = LlamaModel(config.target, n_ctx=config.n_ctx, threads=config.threads, exact=config.exact)
         draft = (
             LlamaModel(config.draft, n_ctx=config.n_ctx, threads=config.threads, exact=config.exact)
             if config.draft
             else None
         )
-        self.decoder = SpeculativeDecoder(self.target, draft)
+        ngram = NgramDrafter(config.ngram, domain) if config.ngram else None  # its conversation table is the slot's
+        self.decoder = SpeculativeDecoder(self.target, draft, ngram)
         self.owner: str | None = None  # the caller whose conversation the KV cache holds
 
     def serve(self, caller: str | None, reuse_prefix: bool) -> None:
@@ -125,6 +135,18 @@ class Slot:
         if caller is None or caller != self.owner or not reuse_prefix:
             self.decoder.forget()
         self.owner = caller
+
+
+def ngram_domain(config: ServeConfig) -> NgramTable | None:
+    """The n-gram domain table every slot reads (built once, from the target's own tokenization of the answers)."""
+    if config.ngram is None:
+        return None
+    answers = assistant_turns(config.ngram_data) if config.ngram_data else []
+    tokenizer = LlamaModel(config.target, n_ctx=64, threads=1)  # its weights are mmapped: the slots' pages
+    try:
+        return domain_table(config.ngram, [tokenizer.tokenize(answer, special=False) for answer in answers])
+    finally:
+        tokenizer.close()
 
 
 def error_body(status: int, message: str, kind: str, param: str | None = None) -> tuple[int, dict[str, Any]]:
@@ -181,8 +203,9 @@ class Server:
         self.registry = CollectorRegistry()
         self.metrics = make_metrics(self.registry)
         self.slots: asyncio.Queue[Slot] = asyncio.Queue()
+        domain = ngram_domain(config)
         for _ in range(config.slots):
-            self.slots.put_nowait(Slot(config))
+            self.slots.put_nowait(Slot(config, domain))
         self.jobs: set[Job] = set()
         self.closing = False
         self.closed = asyncio.Event()  # wakes the requests waiting for a slot when the server stops
@@ -546,6 +569,8 @@ def stats_json(stats: Stats) -> dict[str, Any]:
         "draft_reused_prompt_tokens",
         "draft_seconds",
         "verify_seconds",
+        "ngram_drafted",
+        "ngram_accepted",
     )
     values = stats.as_dict()
     return {key: values[key] for key in keys}

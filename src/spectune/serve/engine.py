@@ -32,6 +32,7 @@ def start_llama_server(config: ServeConfig, log: IO[str] | None = None, ready: f
         slots=config.slots,
         exact=config.exact,
         model_name=config.model_name,
+        ngram_n=config.ngram.min_n if config.ngram else 0,
     )
     check_command(command)  # a flag the pinned llama.cpp does not know fails here, not in the child
     host = f"[{config.host}]" if ":" in config.host else config.host

@@ -44,7 +44,7 @@ from rich.progress import track
 
 from spectune.atomic import atomic_path
 from spectune.cache import cache_root
-from spectune.data.read import Dialogue
+from spectune.data.read import Dialogue, write_jsonl
 from spectune.errors import SpectuneError
 from spectune.export.gguf import export_model
 from spectune.models.load import check_model_dir, load_tokenizer
@@ -71,6 +71,7 @@ from spectune.train.common import (
 
 Method = Literal["sft", "kd", "seqkd", "onpolicy", "speckd"]
 TEACHER_GGUF = "teacher.Q8_0.gguf"  # seqkd's target export, kept beside the draft
+TARGET_ANSWERS = "target_answers.jsonl"  # seqkd: the dialogues up to the last turn the target answered
 METHODS: tuple[Method, ...] = typing.get_args(Method)
 # TRL's generalized JSD interpolates with beta: 0 is forward KL, 1 reverse KL.
 JSD_BETA = {"forward_kl": 0.0, "jsd": 0.5, "reverse_kl": 1.0}
@@ -313,6 +314,23 @@ def target_answers(
     return rewritten
 
 
+def only_answered(
+    dialogues: list[Dialogue], prompt_tokens: Callable[[list[dict[str, str]]], int], max_tokens: int
+) -> list[Dialogue]:
+    """Each dialogue up to its last turn the target answered (target_answers' rule; the rest is the dataset's own
+    words): the target's phrasing alone, for n-gram lookup (the bench's domain table)."""
+    kept = []
+    for dialogue in dialogues:
+        answered = [
+            index
+            for index, turn in enumerate(dialogue.messages)
+            if turn["role"] == "assistant" and prompt_tokens(dialogue.messages[:index]) < max_tokens
+        ]
+        if answered:
+            kept.append(Dialogue(dialogue.messages[: answered[-1] + 1], dialogue.source, dialogue.line))
+    return kept
+
+
 def answers_key(config: DraftConfig, split: tuple[list[Dialogue], list[Dialogue]]) -> str:
     """What the target's answers depend on: the target's files, how they are generated, the dialogues."""
     identity = {
@@ -329,19 +347,21 @@ def seqkd_split(
     """The train and eval dialogues with the target's answers, cached in the user cache (reruns, other draft
     shapes and other runs on the same target and dialogues reuse them)."""
     path = cache_root() / "seqkd-answers" / f"{answers_key(config, split)}.json"
+
+    def prompt_tokens(messages: list[dict[str, str]]) -> int:
+        return len(prompt_ids(tokenizer, messages)) if messages else 0
+
     if path.is_file():
         train, held_out = ([Dialogue(**d) for d in part] for part in json.loads(path.read_text()))
+        write_jsonl(only_answered(train, prompt_tokens, config.max_tokens), config.out / TARGET_ANSWERS)
         return train, held_out
     answer = (
         llama_answerer(export_model(config.target, config.out / TEACHER_GGUF, "Q8_0"), config.max_new_tokens)
         if config.answers_by == "llama.cpp"
         else hf_answerer(teacher, tokenizer, config.max_new_tokens)
     )
-
-    def prompt_tokens(messages: list[dict[str, str]]) -> int:
-        return len(prompt_ids(tokenizer, messages)) if messages else 0
-
     train, held_out = (target_answers(answer, part, prompt_tokens, config.max_tokens) for part in split)
+    write_jsonl(only_answered(train, prompt_tokens, config.max_tokens), config.out / TARGET_ANSWERS)
     with atomic_path(path) as tmp:
         tmp.write_text(json.dumps([[dataclasses.asdict(d) for d in part] for part in (train, held_out)]))
     return train, held_out

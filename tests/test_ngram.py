@@ -1,0 +1,163 @@
+"""N-gram drafting: the tables, the proposals, exact answers alone and in front of the draft model, exact sampling."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from conftest import running
+
+from spectune.data.prepare import extract_prompts
+from spectune.data.read import read_dialogues
+from spectune.export.gguf import export_model
+from spectune.runtime.chat import chat_prompt
+from spectune.runtime.llama import LlamaModel
+from spectune.runtime.ngram import NgramDrafter, NgramSettings, NgramTable, domain_table
+from spectune.runtime.speculative import SamplingConfig, SpeculativeDecoder, StochasticSampler
+from spectune.serve.app import ServeConfig
+
+
+def never_ends(token: int) -> bool:
+    return False
+
+
+def test_a_table_counts_what_followed_each_ngram():
+    table = NgramTable(min_n=1, max_n=2)
+    table.add([1, 2, 3, 1, 2, 4, 1, 2, 3])
+    assert table.lookup([7, 1, 2], 2, min_share=0.0) == 3  # 3 followed (1, 2) twice, 4 once
+    assert table.lookup([7, 1, 2], 2, min_share=0.7) is None  # 2 of 3 is below the share asked for
+    assert table.lookup([9, 9], 2, min_share=0.0) is None
+    assert table.lookup([3], 1, min_share=0.0) == 1
+
+
+def test_the_conversation_proposes_what_the_caller_said():
+    """A slot value the caller gave comes back as a proposal, chained token by token, up to k."""
+    drafter = NgramDrafter(NgramSettings(domain=False, min_n=2, max_n=3))
+    caller = [10, 11, 50, 51, 52, 53, 12]  # ... "Sushi Ran at 7" ...
+    answer_so_far = [20, 50, 51]
+    proposal = drafter.propose([*caller, *answer_so_far], 3, never_ends)
+    assert proposal.tokens == [52, 53, 12] and proposal.from_context == 3
+    assert drafter.propose([*caller, *answer_so_far], 2, never_ends).tokens == [52, 53]
+
+
+def test_a_proposal_stops_at_an_end_token_and_at_an_unknown_tail():
+    drafter = NgramDrafter(NgramSettings(domain=False, min_n=2, max_n=2))
+    sequence = [1, 2, 3, 0, 5, 1, 2]
+    assert drafter.propose(sequence, 8, lambda token: token == 0).tokens == [3, 0]
+    assert drafter.propose(sequence, 8, never_ends).tokens == [3, 0, 5, 1, 2, 3, 0, 5]  # the cycle it has seen
+    assert drafter.propose([7, 8, 9], 4, never_ends).tokens == []
+
+
+def test_a_new_conversation_rebuilds_the_context_table():
+    """Another caller's words are never proposed: a sequence that does not continue the last one starts over."""
+    drafter = NgramDrafter(NgramSettings(domain=False, min_n=2, max_n=2))
+    assert drafter.propose([1, 2, 3, 4, 1, 2], 1, never_ends).tokens == [3]
+    assert drafter.propose([5, 6, 1, 2], 1, never_ends).tokens == []
+
+
+def test_the_domain_table_proposes_the_targets_phrasing_when_sure_enough():
+    answers = [[7, 8, 9, 1], [7, 8, 9, 2], [7, 8, 9, 1], [3, 8, 4]]
+    settings = NgramSettings(context=False, min_n=2, max_n=2, min_share=0.6)
+    drafter = NgramDrafter(settings, domain_table(settings, answers))
+    proposal = drafter.propose([30, 7, 8], 4, never_ends)
+    assert proposal.tokens == [9, 1] and proposal.from_context == 0  # (9, 1) 2 of 3: sure enough; then unknown
+    settings = NgramSettings(context=False, domain=False, min_n=2, max_n=2)
+    off = NgramDrafter(settings, domain_table(settings, answers))
+    assert off.propose([30, 7, 8], 4, never_ends).tokens == []
+
+
+def test_min_n_above_max_n_is_refused():
+    with pytest.raises(ValueError, match="min_n 3 is above max_n 2"):
+        domain_table(NgramSettings(min_n=3, max_n=2), [])
+
+
+def test_a_looked_up_proposal_keeps_sampling_exact():
+    """An n-gram proposes without a distribution (q is one-hot): the target's token is still distributed as p."""
+    config = SamplingConfig(temperature=1.0)
+    sampler = StochasticSampler(config, np.random.default_rng(0))
+    logits = np.log(np.array([[0.5, 0.3, 0.2], [0.2, 0.2, 0.6]]))
+    firsts = np.zeros(3)
+    trials = 20_000
+    for _ in range(trials):
+        accepted, own = sampler.verify(logits, [1], [])
+        firsts[1 if accepted else own] += 1
+    assert np.abs(firsts / trials - np.array([0.5, 0.3, 0.2])).max() < 0.015
+
+
+@pytest.fixture(scope="module")
+def q8_pair(tuned_target, sft_draft, tmp_path_factory):
+    folder = tmp_path_factory.mktemp("ngram-ggufs")
+    return tuple(
+        LlamaModel(export_model(source, folder / f"{role}.gguf", "Q8_0"), n_ctx=512, threads=1, exact=True)
+        for role, source in (("target", tuned_target), ("draft", sft_draft))
+    )
+
+
+def test_ngram_alone_and_in_front_of_the_draft_give_the_targets_own_answers(q8_pair, demo_data):
+    """Greedy answers equal the target alone's, whichever source proposed; the n-gram's share is counted apart."""
+    target, draft = q8_pair
+    dialogues = read_dialogues(demo_data).dialogues
+    answers = [target.tokenize(turn["content"], special=False) for d in dialogues[:200] for turn in d.messages[1::2]]
+    plain = SpeculativeDecoder(target)
+    domain = domain_table(NgramSettings(), answers)
+    looked_up = SpeculativeDecoder(target, ngram=NgramDrafter(NgramSettings(), domain))
+    combined = SpeculativeDecoder(target, draft, NgramDrafter(NgramSettings(), domain))
+    config = SamplingConfig(max_tokens=40, draft_max=4)
+    totals = {"ngram": [0, 0], "combined": [0, 0, 0]}
+    for prompt in extract_prompts(dialogues, 12, seed=3):
+        ids = target.tokenize(chat_prompt(target, prompt.messages))
+        expected = plain.generate(ids, config).tokens
+        alone, both = looked_up.generate(ids, config), combined.generate(ids, config)
+        assert alone.tokens == expected and both.tokens == expected, prompt.messages[-1]
+        assert alone.stats.ngram_drafted == alone.stats.drafted  # no draft model: every proposal was looked up
+        assert both.stats.ngram_accepted <= both.stats.accepted and both.stats.ngram_drafted <= both.stats.drafted
+        totals["ngram"][0] += alone.stats.ngram_accepted
+        totals["ngram"][1] += alone.stats.ngram_steps
+        totals["combined"][0] += both.stats.ngram_steps
+        totals["combined"][1] += both.stats.verify_steps - both.stats.ngram_steps
+        totals["combined"][2] += both.stats.accepted - both.stats.ngram_accepted
+    assert totals["ngram"][0] > 0 and totals["ngram"][1] > 0  # the demo's phrasing repeats: lookups get accepted
+    assert totals["combined"][0] > 0 and totals["combined"][1] > 0  # both sources proposed
+    assert totals["combined"][2] > 0  # and the draft model's proposals were still accepted where it proposed
+
+
+def test_a_server_with_ngram_lookup_answers_as_the_target_alone(pair, messages, demo_data):
+    """`spectune serve --ngram`: the same answer, the looked-up share reported; and never one caller's words
+    proposed to another (the conversation's table starts anew with a conversation that does not continue it)."""
+    from openai import OpenAI
+
+    target, draft = pair
+    model = LlamaModel(target, n_ctx=512, threads=1)
+    expected = SpeculativeDecoder(model).generate(
+        model.tokenize(chat_prompt(model, messages)), SamplingConfig(max_tokens=24)
+    )
+    config = ServeConfig(
+        target=target, draft=draft, n_ctx=512, threads=1, draft_max=4, ngram=NgramSettings(), ngram_data=demo_data
+    )
+    with running(config) as url:
+        client = OpenAI(base_url=f"{url}/v1", api_key="unused")
+        reply = client.chat.completions.create(model="spectune", messages=messages, max_tokens=24, temperature=0)
+        stats = reply.model_extra["spectune"]
+    assert reply.choices[0].message.content == expected.text
+    assert 0 < stats["ngram_drafted"] <= stats["drafted"] and stats["ngram_accepted"] <= stats["accepted"]
+
+
+def test_the_domain_answers_keep_only_turns_the_target_answered():
+    """seqkd answers a turn only while its context is under max_tokens: the turns after it are the dataset's own
+    words and stay out of the domain table."""
+    from spectune.data.read import Dialogue
+    from spectune.train.draft import only_answered
+
+    turns = [
+        {"role": "user", "content": "aaaa"},
+        {"role": "assistant", "content": "target"},
+        {"role": "user", "content": "bbbb"},
+        {"role": "assistant", "content": "dataset"},
+    ]
+    dialogues = [Dialogue(turns, "t.jsonl", 1), Dialogue(turns[:2], "t.jsonl", 2)]
+
+    def characters(messages):
+        return sum(len(turn["content"]) for turn in messages)
+
+    kept = only_answered(dialogues, characters, max_tokens=12)
+    assert [d.messages for d in kept] == [turns[:2], turns[:2]]
+    assert only_answered(dialogues, characters, max_tokens=4) == []
