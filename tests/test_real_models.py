@@ -3,6 +3,7 @@ own layers. Tiny models the tests build stand in for the real ones (CI downloads
 
 from __future__ import annotations
 
+import hashlib
 import json
 import shutil
 
@@ -14,6 +15,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from spectune.errors import SpectuneError
 from spectune.export.gguf import convert, export_model
+from spectune.models import imported
 from spectune.models.derive import derive_draft
 from spectune.models.imported import import_gguf
 from spectune.models.load import load_tokenizer
@@ -142,3 +144,34 @@ def test_per_layer_settings_follow_the_chosen_layers(micro_pair, tmp_path):
     derived_config = AutoConfig.from_pretrained(derived)
     assert derived_config.num_hidden_layers == 2
     assert derived_config.layer_types == [config.layer_types[0], config.layer_types[5]]
+
+
+def chunk_packages(folder, chunks: list[bytes], numbers: list[int]) -> None:
+    """Chunk packages as pip installs them: one folder per package, its chunk in data/partNN.bin."""
+    for number, chunk in zip(numbers, chunks, strict=True):
+        (folder / f"model_part{number}" / "data").mkdir(parents=True)
+        (folder / f"model_part{number}" / "data" / f"part{number:02d}.bin").write_bytes(chunk)
+
+
+def test_a_model_shipped_in_chunk_packages_is_assembled_in_order_and_checked(tmp_path, monkeypatch):
+    """Qwen's GGUFs ship as data/partNN.bin over many packages: concatenated by number (part10 after part09, not
+    after part01), checked against the pinned SHA-256, the chunks dropped once the whole file is there."""
+    chunks = [bytes([n]) * (n + 1) for n in range(1, 12)]
+    whole = b"".join(chunks)
+    entry = imported.RealModel(("x==1",), "test", hashlib.sha256(whole).hexdigest())
+    monkeypatch.setitem(imported.REAL_MODELS, "chunked", entry)
+    chunk_packages(tmp_path, chunks, list(range(1, 12)))
+    gguf = imported._assemble(tmp_path, "chunked")
+    assert gguf.name == "chunked.gguf" and gguf.read_bytes() == whole
+    assert not list(tmp_path.rglob("part*.bin"))
+
+
+def test_a_chunk_missing_or_a_wrong_digest_is_an_error_and_leaves_no_file(tmp_path, monkeypatch):
+    monkeypatch.setitem(imported.REAL_MODELS, "chunked", imported.RealModel(("x==1",), "test", "0" * 64))
+    chunk_packages(tmp_path / "gap", [b"a", b"c"], [1, 3])
+    with pytest.raises(SpectuneError, match=r"not numbered in sequence: \[1, 3\]"):
+        imported._assemble(tmp_path / "gap", "chunked")
+    chunk_packages(tmp_path / "bad", [b"a", b"b"], [1, 2])
+    with pytest.raises(SpectuneError, match="is not the expected 0000"):
+        imported._assemble(tmp_path / "bad", "chunked")
+    assert not list((tmp_path / "bad").glob("*.gguf")) and len(list((tmp_path / "bad").rglob("part*.bin"))) == 2
