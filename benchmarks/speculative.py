@@ -7,6 +7,7 @@ Runs a pipeline config, reusing its finished stages, and writes benchmarks/resul
 
 Usage: python benchmarks/speculative.py configs/demo-medium.yaml --name medium
        python benchmarks/speculative.py demo:demo --name demo --peer   (what `spectune demo` runs, llama.cpp beside)
+       python benchmarks/speculative.py demo:demo --name demo --peer --ngram   (and n-gram lookup variants)
 """
 
 from __future__ import annotations
@@ -22,8 +23,13 @@ from spectune.bench.run import result_row
 
 
 def main() -> None:
-    args = command_line(__doc__, {"--peer": "set bench.peer (needs `spectune tools build-llama-cpp`)"})
-    config, summary, name = run_from_command_line(__doc__, args, {"peer": True} if args.peer else None)
+    switches = {
+        "--peer": "set bench.peer (needs `spectune tools build-llama-cpp`)",
+        "--ngram": "set bench.ngram: n-gram lookup variants (the domain table from seqkd's target answers)",
+    }
+    args = command_line(__doc__, switches)
+    overrides = {**({"peer": True} if args.peer else {}), **({"ngram": {}} if args.ngram else {})}
+    config, summary, name = run_from_command_line(__doc__, args, overrides or None)
     layout = config.layout
     manifest = json.loads(layout.manifest.read_text())
     drafts = {draft: result_row(s) for draft, s in summary["bench"].items()}

@@ -6,12 +6,19 @@ from __future__ import annotations
 import pytest
 
 from spectune.bench.run import BenchConfig, _summary
+from spectune.runtime.ngram import NgramSettings
 
 COLD = {"ttft_ms": 5.0, "ttfs_ms": 9.0, "cold_ttft_ms": 7.0, "cold_ttfs_ms": 12.0}
 
 
-def variant(tokens, seconds, steps, produced, drafted_at, accepted_at, offered, accepted_llama, speedup, peer):
+def variant(
+    tokens, seconds, steps, produced, drafted_at, accepted_at, offered, accepted_llama, speedup, peer, looked_up=0
+):
     return {
+        "ngram_steps": 1 if looked_up else 0,
+        "ngram_drafted": looked_up,
+        "ngram_accepted": looked_up // 2,
+        "ngram_from_context": looked_up // 4,
         "tokens": tokens,
         "decode_seconds": seconds,
         "after_first_seconds": seconds - 0.1,
@@ -95,3 +102,31 @@ def test_llama_cpps_speculative_figures_are_pooled_like_ours(summary):
     assert summary["llama_cpp_acceptance"] == pytest.approx(13 / 18)
     assert summary["acceptance_as_llama_cpp_counts"] == pytest.approx(13 / 18)
     assert summary["llama_cpp_identical"] == 2 and summary["llama_cpp_target_identical"] == 2
+
+
+def test_in_front_of_a_draft_lookup_is_free_and_the_draft_pays_for_its_share(tmp_path):
+    """ngram+sft: of 16 drafted tokens 8 were looked up (c = 0), so c per drafted token is half the model's."""
+    looked_up = (
+        {"ngram_steps": 1, "ngram_drafted": 4, "ngram_accepted": 4, "ngram_from_context": 1},
+        {"ngram_steps": 2, "ngram_drafted": 4, "ngram_accepted": 2, "ngram_from_context": 3},
+    )
+    everything = ({"ngram_steps": 4, "ngram_drafted": 6}, {"ngram_steps": 5, "ngram_drafted": 10})
+    rows = [
+        {"variants": {**row["variants"], "ngram+sft": sft | lookup, "ngram": sft | alone}}
+        for row, lookup, alone in zip(ROWS, looked_up, everything, strict=True)
+        for sft in [row["variants"]["sft"]]
+    ]
+    (tmp_path / "t.gguf").write_bytes(b"x" * 1000)
+    (tmp_path / "d.gguf").write_bytes(b"x" * 100)
+    config = BenchConfig(
+        target=tmp_path / "t.gguf", drafts={"sft": tmp_path / "d.gguf"}, data=tmp_path, recommended_k={"sft": 2}
+    )
+    config = config.model_copy(update={"ngram": NgramSettings()})
+    combined = _summary("ngram+sft", rows, PROFILE, config, tmp_path / "d.gguf")
+    assert combined["cost_ratio"] == pytest.approx(0.25) and combined["gpu_cost_ratio"] == pytest.approx(0.05)
+    assert combined["predicted_speedup_gpu"] == pytest.approx(30 / (9 + 16 * 0.05))
+    assert combined["ngram_step_share"] == pytest.approx(3 / 9) and combined["ngram_acceptance"] == pytest.approx(6 / 8)
+    assert combined["ngram_context_share"] == pytest.approx(4 / 8)
+    alone = _summary("ngram", rows, {**PROFILE, "cost_ratio": 0.0}, config, None)
+    assert alone["gpu_cost_ratio"] == 0.0 and alone["predicted_speedup_gpu"] == pytest.approx(30 / 9)
+    assert alone["ngram_step_share"] == pytest.approx(1.0) and alone["ngram_drafted"] == 16

@@ -34,6 +34,8 @@ def test_export_pair_checks_and_reports(exported, demo_data):
         assert entry["bytes"] < entry["f16_bytes"]  # 4 bits is smaller than 16
         assert entry["tokenizer_strings_checked"] == STRESS_STRINGS + held_out
         assert entry["fidelity"]["top1_agreement"] > 0.9
+        # 4 bits cost a tiny model more than a large one (few weights share each scale); the bound is there to
+        # catch a broken conversion (wrong tensor order, a lost norm), which costs far more than rounding
         assert entry["fidelity"]["perplexity_gguf"] < 1.2 * entry["fidelity"]["perplexity_hf"]
     assert report["pairs"]["draft"]["target_tokens"] == report["pairs"]["draft"]["draft_tokens"]
     script = (out / "llama-server.sh").read_text()

@@ -107,6 +107,8 @@ def test_a_pair_builds_deterministically_from_its_seed(tmp_path):
 
 def test_profile_is_measured_and_recorded(micro_pair):
     profile = profile_pair(micro_pair)
+    # Recorded, not judged: a speed relation (c < 1, r growing with n) would make the test depend on the load of
+    # the machine it runs on; benchmarks measure speed (runtime/profile.py's medians of interleaved runs).
     assert profile["target_ms_per_token"] > 0 and profile["cost_ratio"] > 0
     assert set(profile["verify_ratio"]) == {str(n) for n in range(2, 10)}
     assert all(r > 0 for r in profile["verify_ratio"].values())

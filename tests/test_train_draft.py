@@ -122,7 +122,7 @@ def test_sft_beats_generic_on_held_out_prompts(micro_pair, tuned_target, drafts,
         assert row["alpha_by_position"]["1"] <= 1.0 and set(row["alpha_by_position"]) <= set(row["tau_simulated"])
         assert all(1.0 <= tau <= k + 1 for k, tau in ((int(k), t) for k, t in row["tau_simulated"].items()))
         gpu = row["speedup"]["gpu"]
-        assert gpu[str(row["recommended_k"])] == max(gpu.values()) or row["recommended_k"] == 1
+        assert row["recommended_k"] == max(1, int(max(gpu, key=gpu.get)))  # the GPU's best k, never 0
     assert (tmp_path / "acceptance.json").is_file()
 
 
