@@ -19,7 +19,7 @@ from spectune.bench.run import bench as run_bench
 from spectune.config import validate
 from spectune.data.demo import generate_dialogues
 from spectune.data.prepare import dataset_stats, extract_prompts, save_split, split_dialogues, write_prompts
-from spectune.data.read import read_dialogues, write_jsonl
+from spectune.data.read import assistant_turns, read_dialogues, write_jsonl
 from spectune.data.render import render
 from spectune.engines.handoff import HandoffConfig, hand_off
 from spectune.engines.llama_cpp import build_llama_cpp as build_tools
@@ -41,6 +41,7 @@ from spectune.pipeline import dry_run as plan_run
 from spectune.runtime.build import build_features, build_name, identity_verdict
 from spectune.runtime.chat import chat_prompt
 from spectune.runtime.llama import LlamaModel
+from spectune.runtime.ngram import NgramDrafter, NgramSettings, domain_of_texts
 from spectune.runtime.speculative import SamplingConfig, SpeculativeDecoder
 from spectune.serve.app import ServeConfig, make_uvicorn
 from spectune.serve.client import run_call
@@ -429,12 +430,21 @@ def generate(
     draft_max: Annotated[int, typer.Option(help="Draft length k.")] = DEFAULT_DRAFT_MAX,
     threads: Annotated[int | None, typer.Option(help="Threads (default: $SPECTUNE_THREADS or all).")] = None,
     exact: Annotated[bool, typer.Option(help="Batched logits equal to one-token ones.")] = True,
+    ngram_data: Annotated[
+        Path | None,
+        typer.Option(help="N-gram lookup in front of the draft, its domain table from this chat dataset's answers."),
+    ] = None,
 ) -> None:
     """Stream an answer (or a conversation) from the target, with the draft speculating; print the stats."""
     if prompt is None and not chat:
         raise SpectuneError("give --prompt TEXT or --chat")
     model = LlamaModel(target, threads=threads, exact=exact)
-    decoder = SpeculativeDecoder(model, LlamaModel(draft_model, threads=threads, exact=exact) if draft_model else None)
+    ngram = None
+    if ngram_data is not None:
+        settings = NgramSettings()
+        ngram = NgramDrafter(settings, domain_of_texts(settings, assistant_turns(ngram_data), model.tokenize))
+    draft = LlamaModel(draft_model, threads=threads, exact=exact) if draft_model else None
+    decoder = SpeculativeDecoder(model, draft, ngram)
     config = SamplingConfig(max_tokens=max_tokens, temperature=temperature, seed=seed, draft_max=draft_max)
     messages = [{"role": "system", "content": system}] if system else []
 

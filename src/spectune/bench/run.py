@@ -33,7 +33,7 @@ from spectune.layout import CONTROL_DRAFT, TARGET
 from spectune.runtime.build import identity_verdict
 from spectune.runtime.chat import CLAUSE_END, chat_prompt
 from spectune.runtime.llama import LlamaModel
-from spectune.runtime.ngram import NgramDrafter, NgramSettings, domain_table
+from spectune.runtime.ngram import NgramDrafter, NgramSettings, domain_of_texts
 from spectune.runtime.profile import measure_profile
 from spectune.runtime.speculative import Generation, SamplingConfig, SpeculativeDecoder
 from spectune.speedup import DEFAULT_DRAFT_MAX, speedup_of_steps, verify_ratio_at
@@ -170,7 +170,7 @@ def load_decoders(config: BenchConfig) -> tuple[LlamaModel, dict[str, Speculativ
         for name, path in config.drafts.items()
     }
     answers = assistant_turns(config.ngram_data) if config.ngram and config.ngram_data else []
-    domain = domain_table(config.ngram, [target.tokenize(a, special=False) for a in answers]) if config.ngram else None
+    domain = domain_of_texts(config.ngram, answers, target.tokenize) if config.ngram else None
     for name in config.variants():
         draft_name = name.removeprefix(f"{NGRAM}+") if name != NGRAM else None
         ngram = NgramDrafter(config.ngram, domain) if config.ngram and name.startswith(NGRAM) else None

@@ -70,6 +70,13 @@ def domain_table(settings: NgramSettings, answers: Iterable[list[int]]) -> Ngram
     return table
 
 
+def domain_of_texts(
+    settings: NgramSettings, texts: Iterable[str], tokenize: Callable[[str, bool], list[int]]
+) -> NgramTable:
+    """The domain table of answers given as text, tokenized as the target tokenizes them (no special tokens)."""
+    return domain_table(settings, (tokenize(text, False) for text in texts))
+
+
 class NgramDrafter:
     """Proposes up to k tokens after a sequence from the conversation's table and the domain table. The
     conversation's table is its own: a sequence that does not continue the last one (another caller) starts it

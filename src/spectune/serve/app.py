@@ -37,7 +37,7 @@ from spectune.layout import RunLayout
 from spectune.runtime.build import identity_verdict
 from spectune.runtime.chat import CLAUSE_END, chat_tokens
 from spectune.runtime.llama import LlamaModel
-from spectune.runtime.ngram import NgramDrafter, NgramSettings, NgramTable, domain_table
+from spectune.runtime.ngram import NgramDrafter, NgramSettings, NgramTable, domain_of_texts
 from spectune.runtime.speculative import FirstWords, Generation, SamplingConfig, SpeculativeDecoder, Stats
 from spectune.serve.schema import ChatRequest, lone_surrogate, unsupported_parameter
 from spectune.speedup import DEFAULT_DRAFT_MAX
@@ -144,7 +144,7 @@ def ngram_domain(config: ServeConfig) -> NgramTable | None:
     answers = assistant_turns(config.ngram_data) if config.ngram_data else []
     tokenizer = LlamaModel(config.target, n_ctx=64, threads=1)  # its weights are mmapped: the slots' pages
     try:
-        return domain_table(config.ngram, [tokenizer.tokenize(answer, special=False) for answer in answers])
+        return domain_of_texts(config.ngram, answers, tokenizer.tokenize)
     finally:
         tokenizer.close()
 
