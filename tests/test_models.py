@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import json
+import shutil
 
 import numpy as np
 import pytest
@@ -114,3 +116,19 @@ def test_profile_is_measured_and_recorded(micro_pair):
     assert all(r > 0 for r in profile["verify_ratio"].values())
     assert read_manifest(micro_pair)["profile_Q4_K_M"] == profile
     assert (micro_pair / "gguf" / "target.Q4_K_M.gguf").is_file()
+
+
+def test_a_tokenizer_loads_with_the_normalizer_its_file_names(micro_pair, tmp_path):
+    """transformers' Qwen2 class puts NFC back on load whatever tokenizer.json says; llama.cpp does not normalize,
+    so a tokenizer whose file names no normalizer must load without one (else a decomposed "é" tokenizes apart)."""
+    folder = tmp_path / "tokenizer"
+    shutil.copytree(micro_pair / "target", folder, ignore=shutil.ignore_patterns("*.safetensors"))
+    settings = json.loads((folder / "tokenizer_config.json").read_text())
+    (folder / "tokenizer_config.json").write_text(json.dumps({**settings, "tokenizer_class": "Qwen2Tokenizer"}))
+    written = json.loads((folder / "tokenizer.json").read_text())
+    (folder / "tokenizer.json").write_text(json.dumps({**written, "normalizer": None}))
+    decomposed = "e\u0301"
+    assert load_tokenizer(folder).backend_tokenizer.normalizer is None
+    assert load_tokenizer(folder)(decomposed)["input_ids"] != load_tokenizer(folder)("\u00e9")["input_ids"]
+    (folder / "tokenizer.json").write_text(json.dumps({**written, "normalizer": {"type": "NFC"}}))
+    assert load_tokenizer(folder)(decomposed)["input_ids"] == load_tokenizer(folder)("\u00e9")["input_ids"]
