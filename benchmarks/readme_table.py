@@ -17,6 +17,7 @@ PAIRS = (
     ("speculative_medium.json", "medium demo pair", "generated voice-bot dialogues"),
     ("speculative_smollm2_sgd.json", "SmolLM2-135M-Instruct, QLoRA on SGD", "SGD dev"),
     ("speculative_gemma3_270m_sgd_tuned.json", "Gemma 3 270M, QLoRA on SGD", "SGD dev"),
+    ("speculative_qwen_sgd.json", "Qwen2.5-Coder 1.5B, QLoRA on SGD; its 0.5B sibling", "SGD dev"),
 )
 HEADER = (
     "| pair (data) | draft | k | prompts | identical | acceptance | tokens per target pass | here: with the draft "
