@@ -28,9 +28,7 @@ HEADER = (
 
 def best_draft(drafts: dict[str, dict], looked_up: bool = False) -> str | None:
     """The tuned draft model (or, `looked_up`, the n-gram variant) with the highest predicted GPU speedup."""
-    tuned = {
-        name: row for name, row in drafts.items() if name != "generic" and name.startswith("ngram") == looked_up
-    }
+    tuned = {name: row for name, row in drafts.items() if name != "generic" and name.startswith("ngram") == looked_up}
     return max(tuned, key=lambda name: tuned[name]["predicted_speedup_gpu"]) if tuned else None
 
 
