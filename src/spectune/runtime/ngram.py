@@ -3,8 +3,8 @@
 A voice bot's answers repeat what it was told (slot values from the caller's turns) and what it always says (the
 same confirmations in the same words). Two tables of next-token counts after every n-gram propose such continuations:
 the conversation so far (prompt and answer, updated as it grows), and a domain table built once from the tuned
-target's own answers. A proposal chains lookups token by token, the longest matching n-gram first, the
-conversation before the domain, and stops where neither has seen the tail. The target verifies it as it verifies a
+target's own answers. A proposal chains lookups token by token, the longest matching n-gram first, the domain's
+before the conversation's, and stops where neither has seen the tail. The target verifies it as it verifies a
 draft model's proposal, so greedy answers stay the target's own.
 """
 
