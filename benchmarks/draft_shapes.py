@@ -65,7 +65,7 @@ def measure_shape(config: RunConfig, layers: list[int], method: str, target_gguf
     )
     row = acceptance["drafts"][0]
     gpu_k, here_k = row["best_k"][GPU_PROFILE], row["best_k"][HERE]
-    costs = {p["key"]: p["cost_ratio"] for p in acceptance["profiles"]}
+    costs = row["cost_ratio"]
     return {
         "layers": layers,
         "eval_loss_before": report["result"]["eval_loss_before"],

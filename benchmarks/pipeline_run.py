@@ -7,7 +7,6 @@ import json
 from pathlib import Path
 from typing import Any
 
-from spectune.bench.run import BenchSettings
 from spectune.config import validate
 from spectune.pipeline import RunConfig, demo_config, load_run_config, run_pipeline
 
@@ -29,23 +28,25 @@ def command_line(doc: str | None, switches: dict[str, str] | None = None) -> arg
     return parser.parse_args()
 
 
-def config_from_command_line(source: str, bench: dict[str, Any] | None = None) -> RunConfig:
-    """The run config named by `source` (a YAML or demo:SIZE), its bench settings overridden by `bench`."""
+def config_from_command_line(source: str, overrides: dict[str, dict[str, Any]] | None = None) -> RunConfig:
+    """The run config named by `source` (a YAML or demo:SIZE), settings of its sections overridden by `overrides`
+    ({"bench": {"peer": True}}: a changed bench setting reruns the bench stage alone)."""
     demo_size = source.removeprefix("demo:") if source.startswith("demo:") else None
     config = demo_config(demo_size) if demo_size else load_run_config(Path(source))
-    if not bench:
-        return config
-    settings = validate(BenchSettings, {**config.bench.model_dump(), **bench}, f"{source}: bench")
-    return config.model_copy(update={"bench": settings})
+    update = {}
+    for section, values in (overrides or {}).items():
+        current = getattr(config, section)
+        update[section] = validate(type(current), {**current.model_dump(), **values}, f"{source}: {section}")
+    return config.model_copy(update=update)
 
 
 def run_from_command_line(
-    doc: str | None, args: argparse.Namespace | None = None, bench: dict[str, Any] | None = None
+    doc: str | None, args: argparse.Namespace | None = None, overrides: dict[str, dict[str, Any]] | None = None
 ) -> tuple[RunConfig, dict[str, Any], str]:
     """(the run config, the run's summary, the result-file suffix) for `SCRIPT CONFIG.yaml --name NAME`, the config's
-    bench settings overridden by `bench` (a changed bench setting reruns the bench stage alone)."""
+    settings overridden by `overrides` (see config_from_command_line)."""
     args = args or command_line(doc)
-    config = config_from_command_line(args.config, bench)
+    config = config_from_command_line(args.config, overrides)
     summary = run_pipeline(config)  # finished stages are reused from the run directory
     RESULTS.mkdir(exist_ok=True)
     return config, summary, args.name

@@ -21,7 +21,7 @@ PAIRS = (
 )
 HEADER = (
     "| pair (data) | draft | k | prompts | identical | acceptance | tokens per target pass | here: with the draft "
-    "over the target alone | over llama.cpp's target alone, exact settings | predicted on a GPU |\n"
+    "over the target alone | over llama.cpp's target alone: exact settings / its defaults | predicted on a GPU |\n"
     "|---|---|---|---|---|---|---|---|---|---|"
 )
 
@@ -32,12 +32,19 @@ def best_draft(drafts: dict[str, dict], looked_up: bool = False) -> str | None:
     return max(tuned, key=lambda name: tuned[name]["predicted_speedup_gpu"]) if tuned else None
 
 
+def speedup_or_not_run(figures: dict, key: str) -> str:
+    return f"{figures[key]:.2f}x" if figures.get(key) else "not run"
+
+
 def row(pair: str, data: str, name: str, figures: dict) -> str:
-    over_llama = figures.get("aggregate_speedup_over_llama_cpp")
+    over_exact, over_defaults = (
+        speedup_or_not_run(figures, f"aggregate_speedup_over_{baseline}")
+        for baseline in ("llama_cpp", "llama_cpp_defaults")
+    )
     return (
         f"| {pair} ({data}) | {name} | {figures['draft_max']} | {figures['n']} | {figures['identical']}/{figures['n']} "
         f"| {figures['acceptance']:.1%} | {figures['mean_accepted_len']:.2f} | {figures['aggregate_speedup']:.2f}x "
-        f"({figures['total_tokens']:,} tokens) | {f'{over_llama:.2f}x' if over_llama else 'not run'} "
+        f"({figures['total_tokens']:,} tokens) | {over_exact} / {over_defaults} "
         f"| {figures['predicted_speedup_gpu']:.2f}x (c = {figures['gpu_cost_ratio']:.3f}) |"
     )
 

@@ -25,10 +25,12 @@ from spectune.bench.run import result_row
 def main() -> None:
     switches = {
         "--peer": "set bench.peer (needs `spectune tools build-llama-cpp`)",
-        "--ngram": "set bench.ngram: n-gram lookup variants (the domain table from seqkd's target answers)",
+        "--ngram": "set drafts.ngram: n-gram lookup variants (the domain table from seqkd's target answers)",
     }
     args = command_line(__doc__, switches)
-    overrides = {**({"peer": True} if args.peer else {}), **({"ngram": {}} if args.ngram else {})}
+    overrides = {"bench": {"peer": True}} if args.peer else {}
+    if args.ngram:
+        overrides["drafts"] = {"ngram": {}}
     config, summary, name = run_from_command_line(__doc__, args, overrides or None)
     layout = config.layout
     manifest = json.loads(layout.manifest.read_text())

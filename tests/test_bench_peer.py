@@ -7,13 +7,19 @@ like the real one about half the time, loses them on its first run.
 
 from __future__ import annotations
 
+import errno
+import os
+import platform
 import stat
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 from spectune.bench.peer import generated_text, run_peer
-from spectune.engines.llama_server import speculation_flags
+from spectune.engines.llama_cpp import defaults_env
+from spectune.engines.llama_server import server_env, speculation_flags
 from spectune.errors import SpectuneError
 
 REAL_TAIL = """0.00.060.465 I encoded    3 tokens in    0.001 seconds, speed: 5976.096 t/s
@@ -74,3 +80,28 @@ def test_llama_cpps_ngram_speculator_goes_in_front_of_the_draft_or_alone():
     alone = speculation_flags(None, 4, 2, ngram_n=2)
     assert alone[alone.index("--spec-type") + 1] == "ngram-simple" and "-md" not in alone and "-td" not in alone
     assert speculation_flags(None, 4, 2) == []  # the target alone
+
+
+# x86-64 Linux system call numbers: arch_prctl, getpid
+SYS_ARCH_PRCTL, SYS_GETPID, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA = 158, 39, 0x1023, 18
+PROBE = f"""
+import ctypes, os
+libc = ctypes.CDLL(None, use_errno=True)
+refused = libc.syscall({SYS_ARCH_PRCTL}, {ARCH_REQ_XCOMP_PERM}, {XFEATURE_XTILEDATA})
+print(refused, ctypes.get_errno(), libc.syscall({SYS_GETPID}) == os.getpid())
+"""
+
+
+@pytest.mark.skipif(platform.machine() != "x86_64" or sys.platform != "linux", reason="AMX is x86-64 Linux only")
+def test_llama_cpp_at_its_defaults_gets_amx_refused_on_a_cpu_with_amx(tmp_path):
+    """The pinned llama.cpp's AMX kernels crash (exit 139) on an Intel Xeon with AMX: at its defaults a tool runs
+    with the AMX permission refused (EPERM, which no kernel answers by itself), every other system call passed on."""
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text("processor : 0\nflags : fpu sse avx512f amx_bf16 amx_tile amx_int8\n")
+    env = defaults_env(cpuinfo)
+    probe = subprocess.run([sys.executable, "-c", PROBE], env={**os.environ, **env}, capture_output=True, text=True)
+    assert probe.returncode == 0, probe.stderr
+    assert probe.stdout.split() == ["-1", str(errno.EPERM), "True"]
+    cpuinfo.write_text("processor : 0\nflags : fpu sse avx512f\n")
+    assert defaults_env(cpuinfo) == {}
+    assert "LD_PRELOAD" not in server_env(exact=True, api_key=None)  # spectune's identity settings use no AMX

@@ -11,10 +11,12 @@ from conftest import run_cli, swap_two_tokens
 from spectune.data.read import read_dialogues
 from spectune.errors import SpectuneError
 from spectune.export.gguf import convert, export_model
-from spectune.export.pair import TOKENIZER_DIALOGUES, ExportPairConfig, export_pair, fidelity
+from spectune.export.pair import TOKENIZER_DIALOGUES, ExportPairConfig, export_pair, fidelity, write_pair
 from spectune.models.tokenizer_check import STRESS_STRINGS
 from spectune.runtime.llama import LlamaModel
+from spectune.runtime.ngram import NgramSettings
 from spectune.runtime.pair import check_pair
+from spectune.serve.app import ServeConfig
 
 
 @pytest.fixture(scope="module")
@@ -43,6 +45,38 @@ def test_export_pair_checks_and_reports(exported, demo_data):
     assert "--draft-max" not in script  # removed from the pinned llama.cpp
     assert json.loads((out / "pair.json").read_text())["draft_name"] == "draft"
     assert json.loads((out / "export.json").read_text())["quant"] == "Q4_K_M"
+
+
+def test_the_pair_served_carries_ngram_lookup_where_it_predicts_best(exported, tuned_target, sft_draft, demo_data):
+    """An acceptance report where lookup in front of the draft predicts best on a GPU: pair.json names it (its
+    settings, its domain answers relative to the folder), llama-server.sh runs llama.cpp's ngram-simple before the
+    draft, and `spectune serve --run` serves it."""
+    _, out = exported
+    run = out.parent / "run-with-ngram"
+    (run / "gguf").mkdir(parents=True)
+    for name in ("target", "draft"):
+        (run / "gguf" / f"{name}.Q4_K_M.gguf").symlink_to(out / f"{name}.Q4_K_M.gguf")
+    settings = NgramSettings(min_n=3)
+    acceptance = {
+        "drafts": [
+            {"name": "draft", "recommended_k": 2, "speedup": {"gpu": {"2": 1.4}}},
+            {"name": "ngram+draft", "recommended_k": 4, "speedup": {"gpu": {"4": 1.9}}},
+            {"name": "ngram", "recommended_k": 8, "speedup": {"gpu": {"8": 2.5}}},  # measured, not servable alone
+        ],
+        "ngram": settings.model_dump(),
+        "ngram_data": str(demo_data),
+    }
+    config = ExportPairConfig(target=tuned_target, drafts={"draft": sft_draft}, out=run / "gguf")
+    chosen = write_pair(config, acceptance)["chosen"]
+    assert (chosen["draft_name"], chosen["k"], chosen["ngram"]) == ("draft", 4, settings.model_dump())
+    assert (run / "gguf" / chosen["ngram_data"]).resolve() == demo_data.resolve()
+    script = (run / "gguf" / "llama-server.sh").read_text()
+    assert "--spec-type ngram-simple,draft-simple" in script and "--spec-ngram-simple-size-n 3" in script
+    served = ServeConfig(run=run)
+    assert served.ngram == settings and served.ngram_data.resolve() == demo_data.resolve() and served.draft_max == 4
+    assert ServeConfig(run=run, engine="llama.cpp").ngram_data is None  # llama-server looks up the conversation
+    plain = write_pair(config, {**acceptance, "drafts": acceptance["drafts"][:1]})["chosen"]
+    assert plain["ngram"] is None and ServeConfig(run=run).ngram is None
 
 
 def test_q4_k_m_loads_and_generates(exported):

@@ -36,7 +36,7 @@ from spectune.train.draft import TARGET_ANSWERS
 
 DATA = Path(__file__).parent / "data"
 CONFIGS = Path(__file__).parent.parent / "configs"
-STAGES = ["data", "target", "finetune", "merge", "base-draft", "draft:sft", "acceptance", "export", "bench"]
+STAGES = ["data", "target", "finetune", "merge", "base-draft", "draft:sft", "export", "acceptance", "bench"]
 
 
 def micro_config(run_dir, models_dir) -> RunConfig:
@@ -95,6 +95,10 @@ def test_pipeline_runs_skips_and_resumes(micro_pair, tmp_path, monkeypatch, caps
     assert "Why CPU and GPU differ" in story
 
     assert summary["bench"]["sft"]["identical"] == 2
+    # One c per draft: the acceptance stage chose k with the c the bench predicts with (what a step reads)
+    acceptance = json.loads(config.layout.acceptance.read_text())
+    for row in acceptance["drafts"]:
+        assert row["cost_ratio"]["gpu"] == round(summary["bench"][row["name"]]["gpu_cost_ratio"], 4)
     assert (tmp_path / "run" / "report.md").is_file()
     written = json.loads((tmp_path / "run" / "gguf" / "pair.json").read_text())
     assert not any(Path(written[key]).is_absolute() for key in ("target", "draft", "target_hf", "draft_hf"))
@@ -169,7 +173,7 @@ def test_a_changed_eval_file_reruns_what_reads_it_and_nothing_else(micro_pair, d
     run_pipeline(config)
     second = json.loads(manifest.read_text())["stages"]
     reran = {name for name in first if second[name]["started"] != first[name]["started"]}
-    assert reran == {"data", "acceptance", "export", "bench"}
+    assert reran == {"data", "export", "acceptance", "bench"}
     assert second["acceptance"]["inputs"] != first["acceptance"]["inputs"]
     assert second["finetune"]["inputs"] == first["finetune"]["inputs"]
 
@@ -212,12 +216,13 @@ def test_the_stage_table_declares_what_each_stage_reads():
         "base-draft",
         "draft:sft",
         "draft:seqkd",
-        "acceptance",
         "export",
+        "acceptance",
         "bench",
     ]
-    assert table["acceptance"].needs == ("target", "merge", "base-draft", "draft:sft", "draft:seqkd")
-    assert "acceptance" in table["export"].needs and "acceptance" in table["bench"].needs
+    # acceptance takes c from the exported GGUFs, and chooses the pair to serve
+    assert table["acceptance"].needs == ("target", "merge", "base-draft", "draft:sft", "draft:seqkd", "export")
+    assert "acceptance" not in table["export"].needs and "acceptance" in table["bench"].needs
     seqkd, sft = table["draft:seqkd"].settings(config), table["draft:sft"].settings(config)
     assert seqkd == sft  # no overrides: the same settings
     with_override = config.model_copy(
@@ -282,26 +287,28 @@ def test_a_benchmarks_bench_override_changes_the_bench_stage_alone(monkeypatch):
     monkeypatch.syspath_prepend(str(Path(__file__).parent.parent / "benchmarks"))
     from pipeline_run import config_from_command_line
 
-    plain, peered = config_from_command_line("demo:micro"), config_from_command_line("demo:micro", {"peer": True})
+    plain = config_from_command_line("demo:micro")
+    peered = config_from_command_line("demo:micro", {"bench": {"peer": True}})
     assert not plain.bench.peer and peered.bench.peer
     changed = [stage.name for stage in stages(plain) if stage.settings(plain) != stage.settings(peered)]
     assert changed == ["bench"]
     with pytest.raises(SpectuneError) as refused:
-        config_from_command_line("demo:micro", {"n": 0, "pier": True})
+        config_from_command_line("demo:micro", {"bench": {"n": 0, "pier": True}})
     assert {problem.field for problem in refused.value.problems} == {"n", "pier"}
 
 
 def test_the_ngram_domain_table_reads_seqkds_target_answers_where_there_are_some(tmp_path):
-    """bench.ngram: the domain table is the tuned target's own answers (seqkd writes them), else the train file; a
-    new answers file reruns the bench."""
-    values = {"run_dir": str(tmp_path), "drafts": {"methods": ["sft", "seqkd"]}, "bench": {"ngram": {}}}
+    """drafts.ngram: the domain table is the tuned target's own answers (seqkd writes them), else the train file; a
+    new answers file reruns the acceptance and bench stages."""
+    values = {"run_dir": str(tmp_path), "drafts": {"methods": ["sft", "seqkd"], "ngram": {}}}
     config = validate(RunConfig, values, "test")
     context = Context(config, config.layout, {})
-    bench_stage_of = {stage.name: stage for stage in stages(config)}["bench"]
+    table = {stage.name: stage for stage in stages(config)}
     assert domain_data(context) == config.layout.train_file
     answers = config.layout.draft_dir("seqkd") / TARGET_ANSWERS
     answers.parent.mkdir(parents=True)
     answers.write_text('{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Hi."}]}\n')
-    assert domain_data(context) == answers and answers in bench_stage_of.reads(context)
-    plain = validate(RunConfig, {**values, "bench": {}}, "test")
-    assert answers not in bench_stage_of.reads(Context(plain, plain.layout, {}))
+    assert domain_data(context) == answers
+    assert all(answers in table[name].reads(context) for name in ("acceptance", "bench"))
+    plain = validate(RunConfig, {**values, "drafts": {"methods": ["sft", "seqkd"]}}, "test")
+    assert all(answers not in table[name].reads(Context(plain, plain.layout, {})) for name in ("acceptance", "bench"))

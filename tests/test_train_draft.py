@@ -14,6 +14,7 @@ from spectune.data.read import read_dialogues
 from spectune.errors import SpectuneError
 from spectune.export.gguf import export_model
 from spectune.models.load import load_tokenizer
+from spectune.runtime.ngram import NgramSettings
 from spectune.speedup import expected_tokens, speedup, speedup_of_steps
 from spectune.train.acceptance import AcceptanceConfig, run_acceptance, simulate_tau
 from spectune.train.draft import (
@@ -109,13 +110,24 @@ def test_sft_beats_generic_on_held_out_prompts(micro_pair, tuned_target, drafts,
         max_new_tokens=24,
         temperature=1.0,
         json_out=tmp_path / "acceptance.json",
+        ngram=NgramSettings(),
+        ngram_data=demo_data,
     )
     report = run_acceptance(config)
     alpha = {row["name"]: row["alpha"] for row in report["drafts"]}
     print(alpha)
     for name in ("sft", "kd", "kd-top64", "seqkd", "speckd"):
         assert alpha[name] > alpha["generic"] + 0.05, alpha
+    rows = {row["name"]: row for row in report["drafts"]}
+    assert set(rows) == {*names, "ngram", *(f"ngram+{name}" for name in names)}
+    lookup = rows["ngram"]
+    assert lookup["looked_up"]["drafted"] > 0 and lookup["cost_ratio"]["gpu"] == 0.0
+    # lookup alone costs nothing: on a GPU (r = 1) its speedup is its τ
+    assert lookup["speedup"]["gpu"] == pytest.approx(lookup["tau_simulated"])
+    assert report["ngram"] == NgramSettings().model_dump() and report["ngram_data"] == str(demo_data)
     for row in report["drafts"]:
+        if row["name"].startswith("ngram"):
+            continue
         assert row["tokens"] > 0 and 0.0 <= row["alpha"] <= 1.0
         assert 0.0 <= row["alpha_sampled"] <= 1.0
         assert set(row["tau_simulated"]) == {str(k) for k in range(1, 9)}
@@ -156,6 +168,23 @@ def test_simulated_tau_on_known_sequences():
     # step 1 verifies positions 1-3 (rejects the third), step 2 position 1 of the last token, then the text ends
     assert replay.reached[:4] == [2, 1, 1, 0] and replay.accepted[:4] == [2, 1, 0, 0]
     assert replay.alpha_by_position() == {1: 1.0, 2: 1.0, 3: 0.0}
+
+
+def test_simulated_tau_with_lookup_in_front_on_known_sequences():
+    """The lookup proposes at position 1 (two of its three tokens right), nowhere else; the draft model is always
+    wrong. k = 3: the first token alone; 2 looked-up tokens accepted + the correction; then the draft's two steps."""
+    matches = [[True, False, False, False, False, False]]
+
+    def lookup(index: int, position: int) -> list[bool] | None:
+        return [True, True, False] if position == 1 else None
+
+    combined = simulate_tau(matches, 3, lookup)
+    assert combined.tau == 6 / 4 and combined.runs == {2: 1, 0: 2}
+    assert (combined.drafted, combined.looked_up_drafted, combined.looked_up_accepted) == (3 + 2 + 1, 3, 2)
+    assert combined.model_share == 0.5
+    assert combined.looked_up() == {"step_share": 1 / 4, "drafted": 3, "acceptance": 2 / 3}
+    alone = simulate_tau(matches, 3, lookup, model=False)  # no draft model: the other steps are the target's own
+    assert alone.tau == 6 / 4 and alone.drafted == 3 and alone.model_share == 0.0
 
 
 def test_speedup_formula():

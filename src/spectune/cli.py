@@ -535,7 +535,7 @@ def run_command(
         bool, typer.Option("--dry-run", help="Check the config and paths, print each stage's settings; run nothing.")
     ] = False,
 ) -> None:
-    """The whole pipeline: data -> QLoRA target -> merge -> drafts -> acceptance -> export -> bench -> report."""
+    """The whole pipeline: data -> QLoRA target -> merge -> drafts -> export -> acceptance -> bench -> report."""
     if dry_run:
         typer.echo(json.dumps(plan_run(load_run_config(config)), indent=2))
         return
@@ -569,7 +569,7 @@ def print_story(summary: dict[str, Any], layout: RunLayout) -> None:
     first = next(iter(summary["bench"].values()))
     table = Table(
         title="speculative decoding, the target alone = 1.00x",
-        caption=f"GPU: predicted, c = {first['gpu_cost_ratio']:.2f} (draft/target bytes). CPU: measured here, all "
+        caption=f"GPU: predicted, c = {first['gpu_cost_ratio']:.2f} (bytes a step reads). CPU: measured here, all "
         f"{first['total_tokens']:,} tokens over all decode time. same: answers identical to the target alone's.",
     )
     for column in ("draft", "k", "accept", "tok/pass", "GPU", "CPU", "same"):

@@ -1,6 +1,6 @@
 """`spectune run CONFIG.yaml`: the pipeline as a table of stages, the run directory and its manifest.
 
-data -> target -> finetune (QLoRA) -> merge -> base-draft -> draft:<method>... -> acceptance -> export -> bench.
+data -> target -> finetune (QLoRA) -> merge -> base-draft -> draft:<method>... -> export -> acceptance -> bench.
 Each stage is a function of the run's context that calls the same entry function its CLI verb does, and declares
 the settings it reads, the stages whose outputs it uses and the files it reads. The runner hashes all three and
 skips a stage only when none changed since it last finished, so a crashed run resumes at the first unfinished stage
@@ -32,12 +32,13 @@ from spectune.data.prepare import split_dialogues
 from spectune.data.read import read_dialogues, write_jsonl
 from spectune.errors import Problem, SpectuneError
 from spectune.export.gguf import check_quant
-from spectune.export.pair import ExportPairConfig, ExportSettings, export_pair
+from spectune.export.pair import ExportPairConfig, ExportSettings, export_pair, write_pair
 from spectune.export.profile import profile_pair
 from spectune.layout import CONTROL_DRAFT, TARGET, RunLayout
 from spectune.models.derive import derive_draft
 from spectune.models.imported import REAL_MODELS, fetch
 from spectune.models.world import RECIPES, build_pair
+from spectune.runtime.ngram import NgramSettings
 from spectune.threads import configure_torch_threads, thread_count
 from spectune.train.acceptance import AcceptanceConfig, AcceptanceSettings, run_acceptance
 from spectune.train.draft import (
@@ -100,6 +101,11 @@ class DraftsSettings(DraftSettings):
     overrides: dict[Method, dict[str, Any]] = Field({}, description="Per method, e.g. seqkd: {max_train: 300}.")
     start_from: dict[Method, Method] = Field(
         {}, description="Per method, the method whose trained draft it starts from, e.g. speckd: seqkd."
+    )
+    ngram: NgramSettings | None = Field(
+        None,
+        description="N-gram lookup drafting ({} for the defaults): measured by acceptance and bench as `ngram` and "
+        "`ngram+DRAFT`, served where it predicts best; its domain table from seqkd's target answers.",
     )
 
     @model_validator(mode="after")
@@ -350,23 +356,38 @@ def acceptance_config(context: Context, drafts: dict[str, Path], **overrides: An
     )
 
 
-def acceptance_stage(context: Context) -> dict[str, Any]:
-    return run_acceptance(acceptance_config(context, context.drafts(), json_out=context.layout.acceptance))
-
-
-def export_stage(context: Context) -> dict[str, Any]:
-    layout = context.layout
-    config = ExportPairConfig(
+def export_config(context: Context) -> ExportPairConfig:
+    return ExportPairConfig(
         target=context.merged,
         drafts=context.drafts(),
-        out=layout.gguf_dir,
-        data=layout.eval_file,
-        acceptance=layout.acceptance,
+        out=context.layout.gguf_dir,
+        data=context.layout.eval_file,
         threads=context.config.threads,
         **context.config.export.model_dump(),
     )
-    report = export_pair(config)
+
+
+def export_stage(context: Context) -> dict[str, Any]:
+    """The GGUFs and their checks (pair.json names the first draft until the acceptance stage chooses)."""
+    report = export_pair(export_config(context))
     return {"files": {name: entry["gguf"] for name, entry in report["models"].items()}, "reports": report}
+
+
+def acceptance_stage(context: Context) -> dict[str, Any]:
+    """The offline meter, c from the exported GGUFs (one c for choosing k and for the bench's prediction); then the
+    pair to serve, at its recommended k."""
+    ggufs = {name: context.layout.gguf(name) for name in (TARGET, *context.drafts())}
+    ngram = context.config.drafts.ngram
+    config = acceptance_config(
+        context,
+        context.drafts(),
+        json_out=context.layout.acceptance,
+        ggufs=ggufs,
+        ngram=ngram,
+        ngram_data=domain_data(context) if ngram else None,
+    )
+    report = run_acceptance(config)
+    return report | write_pair(export_config(context), report)
 
 
 def bench_stage(context: Context) -> dict[str, Any]:
@@ -378,7 +399,8 @@ def bench_stage(context: Context) -> dict[str, Any]:
         out=layout.bench_dir,
         recommended_k={row["name"]: row["recommended_k"] for row in context.outputs["acceptance"]["drafts"]},
         threads=context.config.threads,
-        ngram_data=domain_data(context) if context.config.bench.ngram else None,
+        ngram=context.config.drafts.ngram,
+        ngram_data=domain_data(context) if context.config.drafts.ngram else None,
         **context.config.bench.model_dump(),
     )
     return {"summary": bench(config)["summary"], "report": str(layout.bench_dir / "report.md")}
@@ -399,8 +421,8 @@ def _eval_file(context: Context) -> list[Path]:
     return [context.layout.eval_file]
 
 
-def _bench_files(context: Context) -> list[Path]:
-    return [context.layout.eval_file, *([domain_data(context)] if context.config.bench.ngram else [])]
+def _eval_and_domain_files(context: Context) -> list[Path]:
+    return [context.layout.eval_file, *([domain_data(context)] if context.config.drafts.ngram else [])]
 
 
 def _target_folder(context: Context) -> list[Path]:
@@ -445,10 +467,20 @@ def stages(config: RunConfig) -> list[Stage]:
             )
             for method in config.drafts.training_order()
         ),
-        Stage("acceptance", acceptance_stage, lambda c: c.acceptance, ("target", *bases, *drafts), _eval_file),
-        Stage("export", export_stage, lambda c: [c.export, c.threads], (*bases, *drafts, "acceptance"), _eval_file),
+        Stage("export", export_stage, lambda c: [c.export, c.threads], (*bases, *drafts), _eval_file),
         Stage(
-            "bench", bench_stage, lambda c: [c.bench, thread_count(c.threads)], ("export", "acceptance"), _bench_files
+            "acceptance",
+            acceptance_stage,
+            lambda c: [c.acceptance, c.export, c.threads, c.drafts.ngram],
+            ("target", *bases, *drafts, "export"),
+            _eval_and_domain_files,
+        ),
+        Stage(
+            "bench",
+            bench_stage,
+            lambda c: [c.bench, thread_count(c.threads), c.drafts.ngram],
+            ("export", "acceptance"),
+            _eval_and_domain_files,
         ),
     ]
 

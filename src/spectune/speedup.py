@@ -8,11 +8,33 @@ plain decoding is S(k) = τ(k) / (r(k+1) + k·c). On a memory-bound GPU r ≈ 1 
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 
 GPU_VERIFY_RATIO = 1.0  # memory-bound decoding: k+1 tokens cost what one does
 MAX_DRAFT_LEN = 8  # the longest k the acceptance meter considers
 DEFAULT_DRAFT_MAX = MAX_DRAFT_LEN  # k where no measured recommendation exists
 GPU_PROFILE = "gpu"  # the memory-bound GPU profile, whose best k is each draft's recommended k
+
+
+@dataclass(frozen=True)
+class Weights:
+    """A model's weights as one decode step sees them, in bytes (a GGUF) or elements (HF weights at one width)."""
+
+    total: int  # every weight tensor once (a tied head and embedding are one table)
+    embedding: int  # the token-embedding table
+    rows: int  # its rows: the vocabulary
+    tied: bool  # the head is the embedding table
+
+    def step_read(self) -> float:
+        """What one decode step reads: every weight, but one row of the embedding table, which a lookup reads,
+        unless the head is that table, which reads all of it."""
+        return self.total + self.embedding / self.rows - (0 if self.tied else self.embedding)
+
+
+def step_cost_ratio(draft: Weights, target: Weights) -> float:
+    """c on a memory-bound GPU, the one every prediction and k choice uses: what a draft step reads over what a
+    target step reads (the file-size ratio overstates a draft whose embedding table is a large share of it)."""
+    return draft.step_read() / target.step_read()
 
 
 def expected_tokens(alpha: float, k: int) -> float:

@@ -7,6 +7,7 @@ code the Python binding runs), once, into the user cache: `spectune tools build-
 
 from __future__ import annotations
 
+import hashlib
 import os
 import shutil
 import subprocess
@@ -21,6 +22,8 @@ from spectune.runtime.build import llamafile_compiled
 
 SPECULATIVE_TOOL, SERVER = "llama-speculative-simple", "llama-server"
 TOOLS = (SPECULATIVE_TOOL, SERVER)
+REFUSE_AMX_SOURCE = Path(__file__).with_name("refuse_amx.c")
+CPUINFO = Path("/proc/cpuinfo")
 # No web UI, no TLS, static binaries (relocatable, so the finished build can be renamed into place).
 BUILD_FLAGS = (
     "-DCMAKE_BUILD_TYPE=Release",
@@ -125,3 +128,32 @@ def build_llama_libs(llamafile: bool, jobs: int | None = None) -> Path:
         for library in (build / "bin").glob("lib*.so*"):
             shutil.copy2(library, tmp / library.name, follow_symlinks=False)
     return folder
+
+
+def cpu_has_amx(cpuinfo: Path = CPUINFO) -> bool:
+    """Whether this CPU offers AMX tiles (Linux's `amx_tile` flag), which ggml uses when built for it (native)."""
+    return cpuinfo.is_file() and "amx_tile" in cpuinfo.read_text().split()
+
+
+def refuse_amx_library() -> Path:
+    """refuse_amx.c compiled once into the cache (named by its source's hash, so an edit rebuilds it)."""
+    source = REFUSE_AMX_SOURCE.read_bytes()
+    library = cache_root() / "llama.cpp-bin" / f"refuse_amx-{hashlib.sha256(source).hexdigest()[:12]}.so"
+    if library.is_file():
+        return library
+    compiler = shutil.which("cc")
+    if compiler is None:
+        raise SpectuneError("no C compiler (cc) to build refuse_amx.so: apt install gcc")
+    with atomic_path(library) as tmp:
+        command = [compiler, "-shared", "-fPIC", "-O2", "-o", str(tmp), str(REFUSE_AMX_SOURCE), "-ldl"]
+        result = subprocess.run(command, capture_output=True, text=True)
+        if result.returncode != 0:
+            raise SpectuneError(f"compiling {REFUSE_AMX_SOURCE.name} failed:\n{result.stderr[-1500:]}")
+    return library
+
+
+def defaults_env(cpuinfo: Path = CPUINFO) -> dict[str, str]:
+    """What a llama.cpp tool run at its own defaults needs on this machine: on a CPU with AMX, AMX refused
+    (refuse_amx.c: the pinned llama.cpp's AMX kernels crash here, exit 139, on every model tried), every other
+    default kept; nothing elsewhere."""
+    return {"LD_PRELOAD": str(refuse_amx_library())} if cpu_has_amx(cpuinfo) else {}

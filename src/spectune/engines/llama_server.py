@@ -19,6 +19,7 @@ import urllib.request
 from pathlib import Path
 from typing import IO
 
+from spectune.engines.llama_cpp import defaults_env
 from spectune.errors import SpectuneError
 
 READY_POLL_SECONDS = 0.2
@@ -78,8 +79,9 @@ def speculation_flags(draft: Path | None, draft_max: int, threads: int, ngram_n:
 
 def server_env(exact: bool, api_key: str | None) -> dict[str, str]:
     """The variables a llama.cpp tool needs on top of the caller's environment. The tiled matmul is set both ways:
-    spectune's own process always has it off (runtime/llama.py), and a non-exact tool runs llama.cpp's default."""
-    env = {"GGML_CPU_TILED_MM": "0" if exact else "1"}
+    spectune's own process always has it off (runtime/llama.py), and a non-exact tool runs llama.cpp's default
+    (on a CPU with AMX, with AMX refused: see defaults_env)."""
+    env = {"GGML_CPU_TILED_MM": "1", **defaults_env()} if not exact else {"GGML_CPU_TILED_MM": "0"}
     return {**env, "LLAMA_API_KEY": api_key} if api_key else env
 
 

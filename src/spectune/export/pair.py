@@ -24,6 +24,7 @@ from spectune.layout import CHOSEN_PAIR, CONTROL_DRAFT, EXPORT_REPORT, SERVER_SC
 from spectune.models.load import check_model_dir, load_tokenizer
 from spectune.models.tokenizer_check import check_template, check_tokenizer
 from spectune.runtime.llama import LlamaModel
+from spectune.runtime.ngram import NGRAM
 from spectune.runtime.pair import check_pair
 from spectune.speedup import DEFAULT_DRAFT_MAX, GPU_PROFILE
 from spectune.threads import thread_count
@@ -96,11 +97,14 @@ class ExportPairConfig(ExportSettings):
 
 
 def choose_draft(drafts: list[str], acceptance: dict[str, Any] | None) -> tuple[str, int]:
-    """(draft to serve, its k): the tuned draft with the best predicted GPU speedup at its recommended k."""
+    """(variant to serve, its k): the tuned draft, or n-gram lookup in front of it (`ngram+DRAFT`), with the best
+    predicted GPU speedup at its recommended k."""
     if acceptance is None:
         return drafts[0], DEFAULT_DRAFT_MAX
-    rows = {row["name"]: row for row in acceptance["drafts"] if row["name"] in drafts}
-    tuned = [name for name in rows if name != CONTROL_DRAFT] or list(rows)
+    # each draft model, alone or with n-gram lookup in front (lookup alone is measured, but a pair serves a draft)
+    servable = {*drafts, *(f"{NGRAM}+{name}" for name in drafts)}
+    rows = {row["name"]: row for row in acceptance["drafts"] if row["name"] in servable}
+    tuned = [name for name in rows if name.removeprefix(f"{NGRAM}+") != CONTROL_DRAFT] or list(rows)
     if not tuned:
         raise SpectuneError(f"the acceptance report has none of the drafts {', '.join(drafts)}")
     best = max(tuned, key=lambda name: rows[name]["speedup"][GPU_PROFILE][str(rows[name]["recommended_k"])])
@@ -153,33 +157,52 @@ def export_pair(config: ExportPairConfig) -> dict[str, Any]:
         draft_file = config.out / gguf_name(name, quant)
         report["models"][name] = export_checked(folder, draft_file, quant, conversations, fidelity_n, config.keep_f16)
         report["pairs"][name] = check_pair(target_file, draft_file)
+    with atomic_path(config.out / EXPORT_REPORT) as tmp:
+        tmp.write_text(json.dumps(report, indent=2))
     acceptance = json.loads(config.acceptance.read_text()) if config.acceptance else None
-    name, k = choose_draft(list(config.drafts), acceptance)
+    return report | write_pair(config, acceptance)
+
+
+def write_pair(config: ExportPairConfig, acceptance: dict[str, Any] | None) -> dict[str, Any]:
+    """pair.json and llama-server.sh for the exported GGUFs in `config.out`: the tuned draft to serve and its k
+    (choose_draft); returns them as `chosen` and `llama_server`."""
+    quant = check_quant(config.quant)
+    target_file = config.out / gguf_name(TARGET, quant)
+    variant, k = choose_draft(list(config.drafts), acceptance)
+    name = variant.removeprefix(f"{NGRAM}+")
+    ngram = acceptance["ngram"] if acceptance and variant != name else None
     draft_file = config.out / gguf_name(name, quant)
     # Paths relative to pair.json's folder: the run folder can be moved, copied to a server, served from anywhere.
-    chosen = {"target": target_file.name, "draft": draft_file.name, "draft_name": name, "k": k}
+    chosen = {"target": target_file.name, "draft": draft_file.name, "draft_name": name, "k": k, "ngram": ngram}
+    chosen["ngram_data"] = (
+        os.path.relpath(Path(acceptance["ngram_data"]).resolve(), config.out.resolve())
+        if ngram and acceptance and acceptance.get("ngram_data")
+        else None
+    )
     # The HF folders they came from: what vLLM and SGLang serve (`spectune export --for vllm|sglang`).
     chosen |= {
         "target_hf": os.path.relpath(config.target.resolve(), config.out.resolve()),
         "draft_hf": os.path.relpath(Path(config.drafts[name]).resolve(), config.out.resolve()),
     }
-    report["chosen"] = chosen
     # Run from the GGUFs' folder (llama-server.sh changes to it), as pair.json names them.
     command = server_command(
-        SERVER, Path(target_file.name), Path(draft_file.name), k, thread_count(config.threads), port=8080
+        SERVER,
+        Path(target_file.name),
+        Path(draft_file.name),
+        k,
+        thread_count(config.threads),
+        port=8080,
+        ngram_n=ngram["min_n"] if ngram else 0,
     )
     check_command(command)
-    report["llama_server"] = shlex.join(command)
-    with atomic_path(config.out / EXPORT_REPORT) as tmp:
-        tmp.write_text(json.dumps(report, indent=2))
     with atomic_path(config.out / CHOSEN_PAIR) as tmp:
         tmp.write_text(json.dumps(chosen, indent=2))
     with atomic_path(config.out / SERVER_SCRIPT) as tmp:
         tmp.write_text(
-            f"#!/bin/sh\n# llama.cpp's own server on the tuned pair: draft {name}, k = {k} (its recommended k).\n"
+            f"#!/bin/sh\n# llama.cpp's own server on the tuned pair: {variant}, k = {k} (its recommended k).\n"
             "# GGML_CPU_TILED_MM=0, --no-repack and -fa off keep batched logits equal to one-token ones.\n"
             "# The GGUFs are named relative to this script's folder, so the run folder can move.\n"
             'cd "$(dirname "$0")" || exit 1\n'
-            f'GGML_CPU_TILED_MM=0 exec {report["llama_server"]} "$@"\n'
+            f'GGML_CPU_TILED_MM=0 exec {shlex.join(command)} "$@"\n'
         )
-    return report
+    return {"chosen": chosen, "llama_server": shlex.join(command)}

@@ -18,6 +18,8 @@ from pydantic import Field
 
 from spectune.config import Settings
 
+NGRAM = "ngram"  # the n-gram variants: `ngram` alone, `ngram+DRAFT` in front of a draft model
+
 
 class NgramSettings(Settings):
     """Which n-gram sources propose, and how sure a lookup must be."""

@@ -1,7 +1,9 @@
 """The hardware profile that decides whether speculative decoding can pay on a machine:
 
 - c = one draft step / one target step (both one token), and
-- r(n) = target time for a batch of n tokens / target time for one token.
+- r(n) = target time for a batch of n tokens / target time for one token,
+
+measured here; and what a step reads of a GGUF's weights, the c of a memory-bound GPU (speedup.step_cost_ratio).
 
 On a memory-bound GPU r(n) ≈ 1 for small n; on a small CPU decoding is compute-bound and r(n) grows with n,
 so no wall-clock speedup is possible there whatever the acceptance (docs/design.md, "Why CPU and GPU differ").
@@ -15,10 +17,28 @@ import time
 from pathlib import Path
 from typing import Any
 
+from gguf import GGUFReader
+
+from spectune.errors import SpectuneError
 from spectune.runtime.llama import LlamaModel
+from spectune.speedup import Weights
 
 CONTEXT = 64  # tokens already in the cache when a step is timed, like a short voice-bot prompt
 FILLER = "The quick brown fox jumps over the lazy dog while the river runs to the sea. "
+
+
+def gguf_weights(path: str | Path) -> Weights:
+    """A GGUF's weights in the bytes they are stored in (a tied model has no `output.weight`)."""
+    tensors = {tensor.name: tensor for tensor in GGUFReader(path).tensors}
+    if "token_embd.weight" not in tensors:
+        raise SpectuneError(f"{path}: no token_embd.weight tensor (not a language model GGUF?)")
+    embedding = tensors["token_embd.weight"]
+    return Weights(
+        total=sum(int(tensor.n_bytes) for tensor in tensors.values()),
+        embedding=int(embedding.n_bytes),
+        rows=int(embedding.shape[-1]),  # GGUF lists dimensions innermost first: (width, vocabulary)
+        tied="output.weight" not in tensors,
+    )
 
 
 def _timed_decode(model: LlamaModel, prompt: list[int], n: int) -> float:

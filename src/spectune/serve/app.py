@@ -102,18 +102,23 @@ class ServeConfig(Settings):
 
     @model_validator(mode="after")
     def _pair(self) -> ServeConfig:
-        if self.run is not None:
+        own = sorted(SPECTUNE_ONLY & self.model_fields_set)
+        if self.engine == "llama.cpp" and own:
+            raise ValueError(f"{', '.join(own)}: settings of spectune's own server, not of --engine llama.cpp")
+        if self.run is not None:  # the run's chosen pair, where the flags do not say otherwise
             chosen = RunLayout(self.run).read_chosen_pair()
             self.target = self.target or Path(chosen["target"])
             self.draft = self.draft or Path(chosen["draft"])
             self.draft_max = chosen["k"] if self.draft_max is None else self.draft_max
+            if "ngram" not in self.model_fields_set and chosen.get("ngram") is not None:
+                self.ngram = NgramSettings.model_validate(chosen["ngram"])
+                # llama-server's n-gram speculator reads the conversation only
+                use_data = self.engine == "spectune" and not self.ngram_data and chosen.get("ngram_data")
+                self.ngram_data = Path(chosen["ngram_data"]) if use_data else self.ngram_data
         if self.target is None:
             raise ValueError("give --target (and --draft), or --run RUN_DIR")
         if self.draft_max is None:
             self.draft_max = DEFAULT_DRAFT_MAX
-        own = sorted(SPECTUNE_ONLY & self.model_fields_set)
-        if self.engine == "llama.cpp" and own:
-            raise ValueError(f"{', '.join(own)}: settings of spectune's own server, not of --engine llama.cpp")
         return self
 
 

@@ -1,4 +1,4 @@
-"""The offline acceptance meter: pick a draft before exporting anything, on HF models.
+"""The offline acceptance meter: pick a draft and its k, on HF models (c on a GPU from their GGUFs where given).
 
 The target answers held-out prompts greedily; each draft is run teacher-forced on those answers and we record
 where its greedy token equals the target's. That gives α (per-token acceptance), the accepted run lengths,
@@ -9,8 +9,11 @@ speculative sampling is α = E[Σ_x min(p(x), q(x))], from both distributions.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import json
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -20,9 +23,21 @@ from pydantic import Field
 from spectune.atomic import atomic_path
 from spectune.config import Settings
 from spectune.data.prepare import read_prompts
+from spectune.data.read import assistant_turns
 from spectune.errors import SpectuneError
+from spectune.layout import TARGET
 from spectune.models.load import check_model_dir, load_tokenizer
-from spectune.speedup import GPU_PROFILE, MAX_DRAFT_LEN, expected_tokens, speedup, verify_ratio_at
+from spectune.runtime.ngram import NGRAM, NgramDrafter, NgramSettings, NgramTable, domain_of_texts
+from spectune.runtime.profile import gguf_weights
+from spectune.speedup import (
+    GPU_PROFILE,
+    MAX_DRAFT_LEN,
+    Weights,
+    expected_tokens,
+    speedup,
+    step_cost_ratio,
+    verify_ratio_at,
+)
 from spectune.threads import configure_torch_threads
 from spectune.train.common import greedy_answer
 
@@ -47,6 +62,17 @@ class AcceptanceConfig(AcceptanceSettings):
     profile: Path | None = Field(
         None, description="Measured profile JSON (cost_ratio, verify_ratio): a pair manifest or a bench report."
     )
+    ngram: NgramSettings | None = Field(
+        None, description="Also n-gram lookup: `ngram` alone, and `ngram+DRAFT` in front of every draft."
+    )
+    ngram_data: Path | None = Field(
+        None, description="The n-gram domain table's answers (chat JSONL: the tuned target's own, from seqkd)."
+    )
+    ggufs: dict[str, Path] = Field(
+        {},
+        description="The exported GGUFs by name (the target's as `target`): c on a GPU is what a step reads of them "
+        "in bytes, as the bench predicts with; without them, of the HF weights (elements, one width for both).",
+    )
     json_out: Path | None = Field(None, description="Also write the results as JSON here.")
 
 
@@ -69,55 +95,96 @@ class DraftAcceptance:
     alpha_by_position: dict[int, float]  # draft position -> acceptance given the ones before accepted, at k = MAX_K
     tau_simulated: dict[int, float]
     tau_formula: dict[int, float]
-    speedup: dict[str, dict[int, float]]  # profile name -> k -> S(k)
+    cost_ratio: dict[str, float]  # profile key -> c
+    speedup: dict[str, dict[int, float]]  # profile key -> k -> S(k)
     best_k: dict[str, int]
     recommended_k: int  # the best k on a memory-bound GPU, at least 1: what bench, serve and llama-server use
     alpha_sampled: float | None = None  # E[Σ min(p, q)] at the given temperature
+    looked_up: dict[str, float] | None = None  # n-gram variants at the recommended k: see Replay.looked_up
 
 
 @dataclass
 class Replay:
     """Greedy speculative decoding replayed at one k: tokens per verify step, how the steps' accepted runs were
-    distributed, and per draft position (1..k) how many steps verified a proposal there and how many accepted it."""
+    distributed, per draft position (1..k) how many steps verified a proposal there and how many accepted it, and
+    what n-gram lookup proposed (steps, tokens) and had accepted."""
 
     tau: float
     runs: Counter[int]
     reached: list[int]
     accepted: list[int]
+    steps: int = 0
+    drafted: int = 0
+    looked_up_steps: int = 0
+    looked_up_drafted: int = 0
+    looked_up_accepted: int = 0
 
     def alpha_by_position(self) -> dict[int, float]:
         """Acceptance at draft position i, given the proposals before it were accepted (where the loss is)."""
         return {i + 1: a / r for i, (a, r) in enumerate(zip(self.accepted, self.reached, strict=True)) if r}
 
+    @property
+    def model_share(self) -> float:
+        """The share of drafted tokens the draft model proposed (1 where nothing was looked up)."""
+        return (self.drafted - self.looked_up_drafted) / self.drafted if self.drafted else 1.0
 
-def simulate_tau(matches: list[list[bool]], k: int) -> Replay:
+    def looked_up(self) -> dict[str, float]:
+        """What the lookup did: the share of steps it proposed for, its tokens, and the share of them accepted."""
+        return {
+            "step_share": self.looked_up_steps / self.steps if self.steps else 0.0,
+            "drafted": self.looked_up_drafted,
+            "acceptance": self.looked_up_accepted / self.looked_up_drafted if self.looked_up_drafted else 0.0,
+        }
+
+    def verify(self, flags: list[bool]) -> int:
+        """One step verifying a proposal whose tokens match the target's (`flags`): the accepted run's length."""
+        run = 0
+        for flag in flags:
+            self.reached[run] += 1
+            if not flag:
+                break
+            self.accepted[run] += 1
+            run += 1
+        return run
+
+
+# (answer index, position) -> whether each token n-gram lookup proposes there is the target's (None: no proposal)
+Lookup = Callable[[int, int], list[bool] | None]
+
+
+def simulate_tau(matches: list[list[bool]], k: int, lookup: Lookup | None = None, model: bool = True) -> Replay:
     """Greedy speculative decoding replayed on per-position draft==target flags, as the engine runs it.
 
     The first token is the target's own, in a step of its own (the caller's first words never wait for the draft).
     From then on, at position i the draft proposes up to k tokens; the accepted prefix is the run of matches from i,
-    and the verify step adds one token of its own (the correction, or the bonus token after k accepted).
+    and the verify step adds one token of its own (the correction, or the bonus token after k accepted). With
+    `lookup`, a step where the lookup proposes verifies its proposal instead (the runtime's order); without a draft
+    `model`, a step where it does not is the target's own.
     """
-    tokens = steps = 0
-    runs: Counter[int] = Counter()
-    reached, accepted = [0] * k, [0] * k
-    for sequence in matches:
-        position = tokens_first = min(1, len(sequence))
-        tokens += tokens_first
-        steps += tokens_first
+    replay = Replay(0.0, Counter(), [0] * k, [0] * k)
+    tokens = 0
+    for index, sequence in enumerate(matches):
+        position = min(1, len(sequence))
+        tokens += position
+        replay.steps += position
         while position < len(sequence):
-            run = 0
-            while run < k and position + run < len(sequence):
-                reached[run] += 1
-                if not sequence[position + run]:
-                    break
-                accepted[run] += 1
-                run += 1
+            looked_up = lookup(index, position) if lookup else None
+            if looked_up is not None:
+                flags = looked_up[: min(k, len(sequence) - position)]
+                replay.looked_up_steps += 1
+                replay.looked_up_drafted += len(flags)
+            else:
+                flags = sequence[position : position + k] if model else []
+            replay.drafted += len(flags)
+            run = replay.verify(flags)
+            replay.looked_up_accepted += run if looked_up is not None else 0
             gained = min(run + 1, len(sequence) - position)
-            runs[run] += 1
+            replay.runs[run] += 1
             tokens += gained
-            steps += 1
+            replay.steps += 1
             position += gained
-    return Replay(tokens / steps if steps else 0.0, runs, reached, accepted)
+    replay.tau = tokens / replay.steps if replay.steps else 0.0
+    return replay
 
 
 def target_continuations(target: Any, tokenizer: Any, prompts: list, max_new_tokens: int) -> list[tuple[list, list]]:
@@ -135,61 +202,122 @@ def teacher_forced(model: Any, prompt: list[int], answer: list[int]) -> Any:
     return logits[len(prompt) - 1 : len(prompt) - 1 + len(answer)]
 
 
+def draft_matches(
+    draft: Any, pairs: list[tuple[list, list]], target_logits: list, temperature: float
+) -> tuple[list[list[bool]], float | None]:
+    """Per answered prompt, where the draft's greedy token is the target's; and E[Σ min(p, q)] at `temperature`."""
+    import torch
+
+    matches, overlap = [], []
+    for index, (prompt, answer) in enumerate(pairs):
+        if not answer:
+            continue
+        logits = teacher_forced(draft, prompt, answer)
+        matches.append((logits.argmax(-1) == torch.tensor(answer)).tolist())
+        if temperature > 0:
+            p = torch.softmax(target_logits[index] / temperature, -1)
+            q = torch.softmax(logits / temperature, -1)
+            overlap.append(torch.minimum(p, q).sum(-1))
+    return matches, float(torch.cat(overlap).mean()) if overlap else None
+
+
+def lookup_of(drafter: NgramDrafter, answered: list[tuple[list, list]], is_end: Callable[[int], bool]) -> Lookup:
+    """What n-gram lookup proposes at each position of the target's answers (up to MAX_K tokens; a proposal at a
+    smaller k is its prefix), as match flags; computed once per position."""
+    proposals: dict[tuple[int, int], list[bool] | None] = {}
+
+    def flags(index: int, position: int) -> list[bool] | None:
+        if (index, position) not in proposals:
+            prompt, answer = answered[index]
+            tokens = drafter.propose(prompt + answer[:position], MAX_K, is_end).tokens
+            expected = answer[position:]
+            proposals[index, position] = [i < len(expected) and t == expected[i] for i, t in enumerate(tokens)] or None
+        return proposals[index, position]
+
+    return flags
+
+
+def acceptance_row(
+    name: str,
+    matches: list[list[bool]],
+    profiles: list[Profile],
+    lookup: Lookup | None = None,
+    model: bool = True,
+    alpha_sampled: float | None = None,
+) -> DraftAcceptance:
+    """A draft's (or n-gram variant's) figures from its replays at every k. A looked-up token costs nothing: the
+    draft model's c is paid on its share of the drafted tokens."""
+    replays = {k: simulate_tau(matches, k, lookup, model) for k in range(1, MAX_K + 1)}
+    tau_sim = {k: replay.tau for k, replay in replays.items()}
+    deepest = replays[MAX_K]
+    if lookup is None:
+        flat = [m for sequence in matches for m in sequence]
+        alpha = sum(flat) / len(flat) if flat else 0.0
+        tokens, tau_formula = len(flat), {k: expected_tokens(alpha, k) for k in range(1, MAX_K + 1)}
+    else:  # the lookup's proposals are not one per position: α is the share of drafted tokens accepted
+        alpha = sum(deepest.accepted) / deepest.drafted if deepest.drafted else 0.0
+        tokens, tau_formula = deepest.drafted, {}
+    speedups = {
+        profile.key: {
+            k: speedup(
+                tau_sim[k], k, profile.cost_ratio * replay.model_share, verify_ratio_at(profile.verify_ratio, k + 1)
+            )
+            for k, replay in replays.items()
+        }
+        for profile in profiles
+    }
+    best = max(speedups[GPU_PROFILE], key=speedups[GPU_PROFILE].get)
+    return DraftAcceptance(
+        name=name,
+        alpha=alpha,
+        tokens=tokens,
+        run_lengths=dict(sorted(deepest.runs.items())),
+        alpha_by_position=deepest.alpha_by_position(),
+        tau_simulated=tau_sim,
+        tau_formula=tau_formula,
+        cost_ratio={profile.key: profile.cost_ratio for profile in profiles},
+        speedup=speedups,
+        best_k={profile: max(values, key=values.get) for profile, values in speedups.items()},
+        recommended_k=max(1, best),
+        alpha_sampled=alpha_sampled,
+        looked_up=replays[best].looked_up() if lookup else None,
+    )
+
+
 def measure(
     target: Any,
     drafts: dict[str, Any],
     tokenizer: Any,
     prompts: list,
-    profiles: list[Profile],
+    profiles: dict[str, list[Profile]],
     max_new_tokens: int = 64,
     temperature: float = 0.0,
+    ngram: tuple[NgramSettings, NgramTable] | None = None,
 ) -> list[DraftAcceptance]:
-    """Acceptance of every draft against the target's own greedy answers to `prompts`."""
-    import torch
-
+    """Acceptance of every draft against the target's own greedy answers to `prompts` (`profiles`: each draft's);
+    with `ngram` (its settings and domain table), of lookup alone (`ngram`) and in front of each draft."""
     pairs = target_continuations(target, tokenizer, prompts, max_new_tokens)
     target_logits = [teacher_forced(target, p, a) for p, a in pairs] if temperature > 0 else []
-    results = []
+    results, all_matches = [], {}
     for name, draft in drafts.items():
-        matches, overlap = [], []
-        for index, (prompt, answer) in enumerate(pairs):
-            if not answer:
-                continue
-            logits = teacher_forced(draft, prompt, answer)
-            matches.append((logits.argmax(-1) == torch.tensor(answer)).tolist())
-            if temperature > 0:
-                p = torch.softmax(target_logits[index] / temperature, -1)
-                q = torch.softmax(logits / temperature, -1)
-                overlap.append(torch.minimum(p, q).sum(-1))
-        flat = [m for sequence in matches for m in sequence]
-        alpha = sum(flat) / len(flat) if flat else 0.0
-        replays = {k: simulate_tau(matches, k) for k in range(1, MAX_K + 1)}
-        tau_sim = {k: replay.tau for k, replay in replays.items()}
-        deepest = replays[MAX_K]
-        tau_formula = {k: expected_tokens(alpha, k) for k in range(1, MAX_K + 1)}
-        speedups = {
-            profile.key: {
-                k: speedup(tau_sim[k], k, profile.cost_ratio, verify_ratio_at(profile.verify_ratio, k + 1))
-                for k in tau_sim
-            }
-            for profile in profiles
-        }
-        results.append(
-            DraftAcceptance(
-                name=name,
-                alpha=alpha,
-                tokens=len(flat),
-                run_lengths=dict(sorted(deepest.runs.items())),
-                alpha_by_position=deepest.alpha_by_position(),
-                tau_simulated=tau_sim,
-                tau_formula=tau_formula,
-                speedup=speedups,
-                best_k={profile: max(values, key=values.get) for profile, values in speedups.items()},
-                recommended_k=max(1, max(speedups[GPU_PROFILE], key=speedups[GPU_PROFILE].get)),
-                alpha_sampled=float(torch.cat(overlap).mean()) if overlap else None,
-            )
-        )
+        all_matches[name], alpha_sampled = draft_matches(draft, pairs, target_logits, temperature)
+        results.append(acceptance_row(name, all_matches[name], profiles[name], alpha_sampled=alpha_sampled))
+    if ngram is not None:
+        answered = [(prompt, answer) for prompt, answer in pairs if answer]
+        configured = target.generation_config.eos_token_id
+        end_ids = {tokenizer.eos_token_id, *(configured if isinstance(configured, list) else [configured])}
+        lookup = lookup_of(NgramDrafter(*ngram), answered, end_ids.__contains__)
+        lengths = [[False] * len(answer) for _, answer in answered]
+        free = [dataclasses.replace(profile, cost_ratio=0.0) for profile in next(iter(profiles.values()))]
+        results.append(acceptance_row(NGRAM, lengths, free, lookup, model=False))
+        for name in drafts:
+            results.append(acceptance_row(f"{NGRAM}+{name}", all_matches[name], profiles[name], lookup))
     return results
+
+
+def encode(tokenizer: Any, text: str, special: bool) -> list[int]:
+    """Token ids of `text`; with `special`, the tokenizer's own (a BOS where it adds one)."""
+    return tokenizer.encode(text, add_special_tokens=special)
 
 
 def load_models(target: Path, drafts: dict[str, Path]) -> tuple[Any, dict[str, Any], Any]:
@@ -203,10 +331,38 @@ def load_models(target: Path, drafts: dict[str, Path]) -> tuple[Any, dict[str, A
     return load(target), {name: load(path) for name, path in drafts.items()}, load_tokenizer(target)
 
 
-def gpu_profile(target: Any, draft: Any) -> Profile:
-    """Memory-bound decoding: a step costs what its weights weigh, so c = draft params / target params, r = 1."""
-    ratio = sum(p.numel() for p in draft.parameters()) / sum(p.numel() for p in target.parameters())
-    return Profile(GPU_PROFILE, "gpu (memory-bound, predicted)", round(ratio, 4))
+def module_weights(model: Any) -> Weights:
+    """An HF model's weights in elements (a tied head and embedding share one table)."""
+    embedding = model.get_input_embeddings().weight
+    head = model.get_output_embeddings()
+    return Weights(
+        total=sum(p.numel() for p in model.parameters()),  # parameters() yields a shared table once
+        embedding=embedding.numel(),
+        rows=embedding.shape[0],
+        tied=head is not None and head.weight is embedding,
+    )
+
+
+def gpu_profiles(config: AcceptanceConfig, target: Any, drafts: dict[str, Any]) -> dict[str, Profile]:
+    """Memory-bound decoding, r = 1, and each draft's own c: what its step reads over what the target's does (see
+    step_cost_ratio), of the GGUFs where given, else of the HF weights."""
+    if config.ggufs:
+        missing = sorted({TARGET, *drafts} - set(config.ggufs))
+        if missing:
+            raise SpectuneError(f"ggufs: no GGUF for {', '.join(missing)} (give the target's and every draft's)")
+        weights = {name: gguf_weights(path) for name, path in config.ggufs.items()}
+        source = "GGUF bytes"
+    else:
+        weights = {TARGET: module_weights(target)} | {name: module_weights(draft) for name, draft in drafts.items()}
+        source = "HF weights"
+    return {
+        name: Profile(
+            GPU_PROFILE,
+            f"gpu (memory-bound, predicted; c by {source})",
+            round(step_cost_ratio(weights[name], weights[TARGET]), 4),
+        )
+        for name in drafts
+    }
 
 
 def read_profile(path: Path) -> Profile:
@@ -229,16 +385,24 @@ def run_acceptance(config: AcceptanceConfig) -> dict[str, Any]:
     measured = [read_profile(config.profile)] if config.profile is not None else []
     prompts = read_prompts(config.data)[: config.n]
     target_model, draft_models, tokenizer = load_models(config.target, config.drafts)
-    profiles = [*measured, gpu_profile(target_model, next(iter(draft_models.values())))]
+    gpu = gpu_profiles(config, target_model, draft_models)
+    profiles = {name: [*measured, gpu[name]] for name in draft_models}
+    ngram = None
+    if config.ngram is not None:
+        answers = assistant_turns(config.ngram_data) if config.ngram_data else []
+        ngram = (config.ngram, domain_of_texts(config.ngram, answers, functools.partial(encode, tokenizer)))
     results = measure(
-        target_model, draft_models, tokenizer, prompts, profiles, config.max_new_tokens, config.temperature
+        target_model, draft_models, tokenizer, prompts, profiles, config.max_new_tokens, config.temperature, ngram
     )
     report = {
         "target": str(config.target),
         "data": str(config.data),
         "prompts": len(prompts),
         "temperature": config.temperature,
-        "profiles": [asdict(p) for p in profiles],
+        # the profiles' keys and names; each draft's c is in its row
+        "profiles": [{"key": p.key, "name": p.name} for p in next(iter(profiles.values()))],
+        "ngram": config.ngram.model_dump() if config.ngram else None,
+        "ngram_data": str(config.ngram_data) if config.ngram and config.ngram_data else None,
         "drafts": [json.loads(json.dumps(asdict(r))) for r in results],  # int keys -> str, as in the file
     }
     if config.json_out is not None:
