@@ -433,7 +433,9 @@ def variant_profiles(config: BenchConfig) -> dict[str, dict[str, Any]]:
     for name, path in config.variants().items():
         if name.startswith(NGRAM) and name != NGRAM:
             continue  # the draft's own, below
-        max_batch = draft_length(config, name) + 1
+        # r(n) up to the longest k of the variants this draft serves (ngram+DRAFT may draft further than DRAFT)
+        users = [variant for variant in config.variants() if variant in (name, f"{NGRAM}+{name}")]
+        max_batch = max(draft_length(config, variant) for variant in users) + 1
         measured = measure_profile(
             config.target, path or config.target, max_batch, threads=config.threads, exact=config.exact
         )
@@ -659,8 +661,9 @@ def markdown(report: dict[str, Any]) -> str:
         "",
         "Speedup here, aggregate: all tokens over all decode seconds with the draft, over the same for the target "
         "alone (the tokens and seconds are shown); the per-prompt mean weighs a short answer as much as a long one.",
-        "Predicted GPU speedup: τ / (1 + d·c), decoding memory-bound (r = 1), c from the GGUF size ratio, d the "
-        "tokens a step really drafted (at most k: a draft stops at an end token), averaged over the steps. "
+        "Predicted GPU speedup: τ / (1 + d·c), decoding memory-bound (r = 1), c what a draft step reads of its GGUF "
+        "over what a target step reads, d the tokens a step really drafted (at most k: a draft stops at an end "
+        "token), averaged over the steps. "
         "Predicted here: τ / (r(d+1) + d·c) with this machine's measured r and c; on a small CPU verification is "
         "compute-bound (r(k+1) well above 1), so only a draft with a high τ gains wall-clock time here.",
         "",

@@ -40,7 +40,6 @@ from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import Field, model_validator
-from rich.progress import track
 
 from spectune.atomic import atomic_path
 from spectune.cache import cache_root
@@ -48,6 +47,7 @@ from spectune.data.read import Dialogue, write_jsonl
 from spectune.errors import SpectuneError
 from spectune.export.gguf import export_model
 from spectune.models.load import check_model_dir, load_tokenizer
+from spectune.progress import progress
 from spectune.runtime.chat import chat_tokens
 from spectune.runtime.llama import LlamaModel
 from spectune.runtime.speculative import SamplingConfig, SpeculativeDecoder
@@ -192,7 +192,7 @@ def teacher_cache(teacher: Any, datasets: list[Any], top_k: int, temperature: fl
 
     cache = {}
     rows = [row for dataset in datasets for row in dataset]
-    for row in track(rows, description=f"teacher top-{top_k}", transient=True):
+    for row in progress(rows, f"teacher top-{top_k}"):
         ids = torch.tensor([row["input_ids"]])
         trained = torch.tensor(row["labels"][1:]) != -100  # position t predicts token t+1
         with torch.no_grad():
@@ -304,7 +304,7 @@ def target_answers(
     rewritten context already holds `max_tokens` tokens is left as it is: training cuts dialogues on turns at
     `max_tokens`, so it would never be trained on, and answering it would be wasted work."""
     rewritten = []
-    for dialogue in track(dialogues, description="the target's answers (seqkd)", transient=True):
+    for dialogue in progress(dialogues, "the target's answers (seqkd)"):
         turns: list[dict[str, str]] = []
         for index, turn in enumerate(dialogue.messages):
             if turn["role"] == "assistant" and prompt_tokens(turns) < max_tokens:
