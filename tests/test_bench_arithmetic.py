@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 from gguf import GGUFWriter
 
-from spectune.bench.run import BenchConfig, _summary
+import spectune.bench.run as bench_run
+from spectune.bench.run import BenchConfig, _summary, variant_profiles
 from spectune.runtime.ngram import NgramSettings
 
 COLD = {"ttft_ms": 5.0, "ttfs_ms": 9.0, "cold_ttft_ms": 7.0, "cold_ttfs_ms": 12.0}
@@ -173,3 +174,26 @@ def test_in_front_of_a_draft_lookup_is_free_and_the_draft_pays_for_its_share(tmp
     alone = _summary("ngram", rows, {**PROFILE, "cost_ratio": 0.0}, config, None)
     assert alone["gpu_cost_ratio"] == 0.0 and alone["predicted_speedup_gpu"] == pytest.approx(30 / 9)
     assert alone["ngram_step_share"] == pytest.approx(1.0) and alone["ngram_drafted"] == 16
+
+
+def test_a_draft_is_profiled_as_far_as_its_longest_variant_drafts(tmp_path, monkeypatch):
+    """sft serves at k = 1 alone but k = 6 behind lookup: its r(n) must reach r(7), or ngram+sft is predicted with
+    r(2) (which read 1.87x predicted against 0.87x measured on the demo pair). Lookup alone verifies k + 1 = 8."""
+    write_pair(tmp_path)
+    asked = {}
+
+    def measured(target, draft, max_batch, threads=None, exact=True):
+        asked[draft.name] = max_batch
+        return {"cost_ratio": 0.5, "draft_ms_per_token": 1.0, "verify_ratio": {str(n): 1.0 for n in range(2, 9)}}
+
+    monkeypatch.setattr(bench_run, "measure_profile", measured)
+    config = BenchConfig(
+        target=tmp_path / "t.gguf",
+        drafts={"sft": tmp_path / "d.gguf"},
+        data=tmp_path,
+        recommended_k={"sft": 1, "ngram+sft": 6, "ngram": 7},
+        ngram=NgramSettings(),
+    )
+    profiles = variant_profiles(config)
+    assert asked == {"d.gguf": 7, "t.gguf": 8}
+    assert profiles["ngram+sft"]["cost_ratio"] == 0.5 and profiles["ngram"]["cost_ratio"] == 0.0
