@@ -41,12 +41,17 @@ def config_from_command_line(source: str, overrides: dict[str, dict[str, Any]] |
 
 
 def run_from_command_line(
-    doc: str | None, args: argparse.Namespace | None = None, overrides: dict[str, dict[str, Any]] | None = None
+    doc: str | None,
+    args: argparse.Namespace | None = None,
+    overrides: dict[str, dict[str, Any]] | None = None,
+    rerun_from: str | None = None,
 ) -> tuple[RunConfig, dict[str, Any], str]:
     """(the run config, the run's summary, the result-file suffix) for `SCRIPT CONFIG.yaml --name NAME`, the config's
-    settings overridden by `overrides` (see config_from_command_line)."""
+    settings overridden by `overrides` (see config_from_command_line). Finished stages are reused from the run
+    directory, but `rerun_from` and every stage after it run again: a result file names the commit it ran on, so
+    what it measures must not come from an earlier commit's run."""
     args = args or command_line(doc)
     config = config_from_command_line(args.config, overrides)
-    summary = run_pipeline(config)  # finished stages are reused from the run directory
+    summary = run_pipeline(config, force_from=rerun_from)
     RESULTS.mkdir(exist_ok=True)
     return config, summary, args.name

@@ -31,7 +31,7 @@ def main() -> None:
     overrides = {"bench": {"peer": True}} if args.peer else {}
     if args.ngram:
         overrides["drafts"] = {"ngram": {}}
-    config, summary, name = run_from_command_line(__doc__, args, overrides or None)
+    config, summary, name = run_from_command_line(__doc__, args, overrides or None, rerun_from="bench")
     layout = config.layout
     manifest = json.loads(layout.manifest.read_text())
     drafts = {draft: result_row(s) for draft, s in summary["bench"].items()}
