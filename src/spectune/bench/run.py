@@ -97,9 +97,10 @@ PEER_KEYS = (  # present where --peer ran llama.cpp's own decoders
     "aggregate_speedup_over_llama_cpp_defaults",
     "aggregate_speedup_over_fastest_llama_cpp",
 )
-# llama.cpp's target alone, the baseline: with the bench's own settings (exact: spectune's identity settings), and
-# at llama.cpp's own defaults (repacked weights, flash attention auto, tiled matmul), as a user runs it.
-BASELINES = ("llama_cpp", "llama_cpp_defaults")
+# llama.cpp's target alone, the baseline, by its key in the rows and how the report says it: with the bench's own
+# settings (exact: spectune's identity settings), and at llama.cpp's own defaults (repacked weights, flash attention
+# auto, tiled matmul), as a user runs it.
+BASELINES = {"llama_cpp": "with this bench's settings", "llama_cpp_defaults": "at its defaults"}
 
 
 def result_row(summary: dict[str, Any]) -> dict[str, Any]:
@@ -742,7 +743,7 @@ def llama_cpp_lines(report: dict[str, Any]) -> list[str]:
     if baselines:
         first = next(iter(baselines.values()))
         lines += ["", "Baseline: the target alone through llama.cpp's own loop (llama-server, same GGUF and threads)."]
-        for field, said in (("llama_cpp", "with this bench's settings"), ("llama_cpp_defaults", "at its defaults")):
+        for field, said in BASELINES.items():
             if f"baseline_vs_{field}" not in first:
                 continue
             lines.append(

@@ -195,6 +195,7 @@ def write_pair(config: ExportPairConfig, acceptance: dict[str, Any] | None) -> d
         ngram_n=ngram["min_n"] if ngram else 0,
     )
     check_command(command)
+    llama_server = shlex.join(command)
     with atomic_path(config.out / CHOSEN_PAIR) as tmp:
         tmp.write_text(json.dumps(chosen, indent=2))
     with atomic_path(config.out / SERVER_SCRIPT) as tmp:
@@ -203,6 +204,6 @@ def write_pair(config: ExportPairConfig, acceptance: dict[str, Any] | None) -> d
             "# GGML_CPU_TILED_MM=0, --no-repack and -fa off keep batched logits equal to one-token ones.\n"
             "# The GGUFs are named relative to this script's folder, so the run folder can move.\n"
             'cd "$(dirname "$0")" || exit 1\n'
-            f'GGML_CPU_TILED_MM=0 exec {shlex.join(command)} "$@"\n'
+            f'GGML_CPU_TILED_MM=0 exec {llama_server} "$@"\n'
         )
-    return {"chosen": chosen, "llama_server": shlex.join(command)}
+    return {"chosen": chosen, "llama_server": llama_server}
