@@ -42,7 +42,7 @@ def run_once(model: Path, data: Path, four_bit: bool, steps: int, seq: int, batc
             "four_bit": four_bit,
             "max_steps": steps,
             "batch_size": batch,
-            "max_tokens": seq,
+            "max_seq_length": seq,
             "max_eval": 8,
             "lr": 2e-3,
             "save_steps": 10_000,

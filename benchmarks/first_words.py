@@ -31,8 +31,9 @@ from spectune.data.prepare import read_prompts
 from spectune.layout import RunLayout
 from spectune.runtime.build import build_name
 from spectune.runtime.chat import CLAUSE_END, chat_tokens
+from spectune.runtime.decode import DecodeSettings
 from spectune.runtime.llama import LlamaModel
-from spectune.runtime.speculative import SamplingConfig, SpeculativeDecoder
+from spectune.runtime.speculative import SpeculativeDecoder
 
 VARIANTS = {  # name: (engine, with the draft, spectune's --first-words)
     "spectune, target alone": ("spectune", False, None),
@@ -75,7 +76,7 @@ def call(client: httpx.Client, messages: list[dict], max_tokens: int, user: str)
 class FirstTokenDrafted(SpeculativeDecoder):
     """spectune's loop as it was, and as llama-speculative-simple runs: the first step drafts too."""
 
-    def _step(self, sequence: list[int], produced: int, k: int, config: SamplingConfig, sampler, draft: bool):
+    def _step(self, sequence: list[int], produced: int, k: int, config: DecodeSettings, sampler, draft: bool):
         return super()._step(sequence, produced, k, config, sampler, True)
 
 
@@ -93,7 +94,7 @@ def first_token_cost(target: Path, draft: Path, k: int, prompts: list, threads: 
         ids = chat_tokens(target_model, prompt.messages)
         alone = None
         for name, loop in loops.items():
-            config = SamplingConfig(max_tokens=48, draft_max=0 if name == "target alone" else k)
+            config = DecodeSettings(max_tokens=48, draft_max=0 if name == "target alone" else k)
             loop.generate(ids, config)  # warm-up: both caches hold the prompt, as in the bench
             generation = loop.generate(ids, config)
             alone = alone or generation.tokens

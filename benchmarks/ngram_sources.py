@@ -19,9 +19,10 @@ from spectune.data.prepare import read_prompts
 from spectune.data.read import assistant_turns
 from spectune.layout import TARGET, RunLayout
 from spectune.runtime.chat import chat_prompt
+from spectune.runtime.decode import DecodeSettings
 from spectune.runtime.llama import LlamaModel
 from spectune.runtime.ngram import NgramDrafter, NgramSettings, domain_table
-from spectune.runtime.speculative import SamplingConfig, SpeculativeDecoder
+from spectune.runtime.speculative import SpeculativeDecoder
 
 SOURCES = {
     "conversation": {"domain": False},
@@ -57,7 +58,7 @@ def main() -> None:
     answers = []
     for prompt in read_prompts(layout.eval_file)[: args.n]:
         ids = target.tokenize(chat_prompt(target, prompt.messages))
-        answers.append((ids, decoder.generate(ids, SamplingConfig(max_tokens=args.max_tokens)).tokens))
+        answers.append((ids, decoder.generate(ids, DecodeSettings(max_tokens=args.max_tokens)).tokens))
     domain_answers = [target.tokenize(text, special=False) for text in assistant_turns(args.domain)]
     rows = {}
     for label, values in SOURCES.items():

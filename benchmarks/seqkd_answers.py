@@ -23,8 +23,9 @@ from spectune.data.read import read_dialogues
 from spectune.export.gguf import export_model
 from spectune.pipeline import load_run_config
 from spectune.runtime.chat import chat_tokens
+from spectune.runtime.decode import DecodeSettings
 from spectune.runtime.llama import LlamaModel
-from spectune.runtime.speculative import SamplingConfig, SpeculativeDecoder
+from spectune.runtime.speculative import SpeculativeDecoder
 from spectune.train.common import greedy_answer
 from spectune.train.draft import conversation_prompts
 
@@ -44,7 +45,7 @@ def llama_run(decoder: SpeculativeDecoder, messages: list, max_new_tokens: int) 
     starts from an empty cache: seqkd reuses a dialogue's prefix, which would flatter llama.cpp here."""
     decoder.forget()
     start = time.perf_counter()
-    generation = decoder.generate(chat_tokens(decoder.target, messages), SamplingConfig(max_tokens=max_new_tokens))
+    generation = decoder.generate(chat_tokens(decoder.target, messages), DecodeSettings(max_tokens=max_new_tokens))
     return generation.text.strip(), len(generation.tokens), time.perf_counter() - start
 
 
@@ -65,7 +66,7 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=40)
     args = parser.parse_args()
     config = load_run_config(args.config)
-    layout, max_new_tokens = config.layout, config.drafts.max_new_tokens
+    layout, max_new_tokens = config.layout, config.drafts.max_tokens
     torch.set_num_threads(config.threads or 2)
     dialogues = read_dialogues(layout.eval_file).dialogues
     prompts = conversation_prompts(dialogues)[: args.prompts]

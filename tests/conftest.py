@@ -59,19 +59,19 @@ def demo_data(tmp_path_factory) -> Path:
     return path
 
 
-TRAIN = {"batch_size": 8, "max_tokens": 256, "max_eval": 16}
+TRAIN = {"batch_size": 8, "max_seq_length": 256, "max_eval": 16}
 
 
 @pytest.fixture(scope="session")
 def tuned_target(micro_pair, demo_data, tmp_path_factory) -> Path:
     """The micro target after QLoRA on the demo data, merged (an HF folder)."""
-    from spectune.train.target import FinetuneConfig, finetune, merge
+    from spectune.train.target import FinetuneConfig, MergeConfig, finetune, merge
 
     out = tmp_path_factory.mktemp("target")
     result = finetune(
         FinetuneConfig(model=micro_pair / "target", data=demo_data, out=out, max_steps=100, lr=5e-3, **TRAIN)
     )
-    return merge(micro_pair / "target", result.adapter, out / "merged").model
+    return merge(MergeConfig(base=micro_pair / "target", adapter=result.adapter, out=out / "merged")).model
 
 
 @pytest.fixture(scope="session")

@@ -12,8 +12,9 @@ from spectune.export.gguf import convert
 from spectune.export.pair import fidelity
 from spectune.models.load import check_model_dir, load_tokenizer
 from spectune.runtime.chat import chat_prompt
+from spectune.runtime.decode import DecodeSettings
 from spectune.runtime.llama import LlamaModel
-from spectune.runtime.speculative import SamplingConfig, SpeculativeDecoder
+from spectune.runtime.speculative import SpeculativeDecoder
 from spectune.train.target import FinetuneConfig, finetune
 
 SHAPE = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4}
@@ -62,7 +63,7 @@ def test_finetune_export_and_decode(model_dir, demo_data, tmp_path):
 
     model = LlamaModel(gguf, n_ctx=512, threads=1)
     ids = model.tokenize(chat_prompt(model, dialogues[0].messages[:1]))
-    config = SamplingConfig(max_tokens=12, draft_max=4)
+    config = DecodeSettings(max_tokens=12, draft_max=4)
     plain = SpeculativeDecoder(model).generate(ids, config)
     speculative = SpeculativeDecoder(model, LlamaModel(gguf, n_ctx=512, threads=1)).generate(ids, config)
     stats = speculative.stats
@@ -78,7 +79,7 @@ def test_finetune_export_and_decode(model_dir, demo_data, tmp_path):
     drafted = accepted = 0
     for dialogue in read_dialogues(demo_data).dialogues[:12]:
         ids = model.tokenize(chat_prompt(model, dialogue.messages[:1]))
-        generation = rival.generate(ids, SamplingConfig(max_tokens=16, draft_max=3))
-        assert generation.tokens == SpeculativeDecoder(model).generate(ids, SamplingConfig(max_tokens=16)).tokens
+        generation = rival.generate(ids, DecodeSettings(max_tokens=16, draft_max=3))
+        assert generation.tokens == SpeculativeDecoder(model).generate(ids, DecodeSettings(max_tokens=16)).tokens
         drafted, accepted = drafted + generation.stats.drafted, accepted + generation.stats.accepted
     assert drafted >= 60 and accepted < drafted / 2, (drafted, accepted)  # rejections happened, most steps

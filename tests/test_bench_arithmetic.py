@@ -197,3 +197,13 @@ def test_a_draft_is_profiled_as_far_as_its_longest_variant_drafts(tmp_path, monk
     profiles = variant_profiles(config)
     assert asked == {"d.gguf": 7, "t.gguf": 8}
     assert profiles["ngram+sft"]["cost_ratio"] == 0.5 and profiles["ngram"]["cost_ratio"] == 0.0
+
+
+def test_the_bench_refuses_settings_it_cannot_compare(tmp_path):
+    """Sampled answers cannot be checked for identity, and llama.cpp's tools take no stop strings."""
+    base = {"target": tmp_path / "t.gguf", "drafts": {}, "data": tmp_path / "d.jsonl"}
+    with pytest.raises(ValueError, match="temperature must be 0"):
+        BenchConfig(**base, temperature=0.7)
+    with pytest.raises(ValueError, match=r"llama\.cpp's tools take no stop strings"):
+        BenchConfig(**base, peer=True, stop=["."])
+    assert BenchConfig(**base, stop=["."]).stop == ["."]  # spectune's own loop alone takes them

@@ -48,7 +48,7 @@ def test_max_token_filter_counts_drops():
     split = split_dialogues(
         dialogues,
         eval_fraction=0.0,
-        max_tokens=10,
+        max_seq_length=10,
         count_tokens=lambda d: len(d.messages[0]["content"].split()),
     )
     assert len(split.train) == 2

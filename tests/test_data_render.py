@@ -95,9 +95,9 @@ def test_truncation_cuts_on_turn_boundaries_and_counts(tokenizer):
     assert truncate_on_turns(full, last_answer_end)[1] == 0  # a trailing newline is no turn
     dropped, cut_all = truncate_on_turns(full, 5)
     assert dropped is None and cut_all == 2
-    rows, stats = render_all(tokenizer, [DIALOGUE, DIALOGUE[:3]], max_tokens=last_answer_end - 1)
+    rows, stats = render_all(tokenizer, [DIALOGUE, DIALOGUE[:3]], max_seq_length=last_answer_end - 1)
     assert stats.kept == 2 and stats.truncated == 1 and stats.turns_cut == 1
-    rows, stats = render_all(tokenizer, [DIALOGUE], max_tokens=5)
+    rows, stats = render_all(tokenizer, [DIALOGUE], max_seq_length=5)
     assert rows == [] and stats.dropped == {"first assistant turn longer than max tokens": 1}
 
 

@@ -13,7 +13,8 @@ import pytest
 import yaml
 
 STEPS, GLOBAL_BATCH = 8, 8
-SETTINGS = ["--max-steps", str(STEPS), "--lr", "5e-3", "--max-tokens", "128", "--max-eval", "16", "--save-steps", "4"]
+SETTINGS = ["--max-steps", str(STEPS), "--lr", "5e-3", "--max-seq-length", "128", "--max-eval", "16"]
+SETTINGS += ["--save-steps", "4"]
 
 
 def spectune(args: list[str], processes: int, log: Path) -> None:

@@ -58,7 +58,7 @@ def test_llama_server_serves_the_tuned_pair_with_the_targets_own_answers(llama_s
     port = free_port()
     config = ServeConfig(
         target=target, draft=draft, draft_max=4, engine="llama.cpp", llama_server=llama_server, port=port,
-        api_key=KEY, n_ctx=512, threads=1,
+        api_key=KEY, n_ctx=512, threads=1, max_tokens=6,
     )  # fmt: skip
     with open(tmp_path / "server.log", "w+") as log, start_llama_server(config, log) as server:
         client = OpenAI(base_url=f"{server.url}/v1", api_key=KEY)
@@ -69,6 +69,8 @@ def test_llama_server_serves_the_tuned_pair_with_the_targets_own_answers(llama_s
             model="spectune", messages=messages, max_tokens=24, temperature=0, stream=True
         )
         streamed = "".join(part.choices[0].delta.content or "" for part in stream if part.choices)
+        # what a request leaves unset is the server's: its answer length (-n) and greedy decoding (--temp 0)
+        unset = client.chat.completions.create(model="spectune", messages=messages).choices[0].message.content
         counters = spec_counters(server.url)
         with pytest.raises(AuthenticationError):
             OpenAI(base_url=f"{server.url}/v1", api_key="wrong").models.list()
@@ -77,6 +79,7 @@ def test_llama_server_serves_the_tuned_pair_with_the_targets_own_answers(llama_s
     assert timings["draft_n"] > 0 and 0 <= timings["draft_n_accepted"] <= timings["draft_n"]
     assert counters["spec_decode_num_draft_tokens_total"] >= timings["draft_n"]
     assert text == engine_answer(pair, messages, 24) and streamed == text
+    assert unset == engine_answer(pair, messages, 6)
     assert server.process.returncode is not None and wait_until(lambda: port_is_free(port))
 
 
@@ -123,6 +126,8 @@ def test_serve_command_leaves_no_llama_server_behind(llama_server, pair, how):
 def test_settings_of_spectunes_own_server_are_refused_for_llama_cpp(pair):
     with pytest.raises(ValueError, match="max_seconds: settings of spectune's own server"):
         ServeConfig(target=pair[0], engine="llama.cpp", max_seconds=5)
+    with pytest.raises(ValueError, match="stop: settings of spectune's own server"):
+        ServeConfig(target=pair[0], engine="llama.cpp", stop=["\n"])
 
 
 def finished_run(folder: Path, target: Path, draft: Path) -> Path:

@@ -80,12 +80,13 @@ def test_the_pair_served_carries_ngram_lookup_where_it_predicts_best(exported, t
 
 
 def test_q4_k_m_loads_and_generates(exported):
-    from spectune.runtime.speculative import SamplingConfig, SpeculativeDecoder
+    from spectune.runtime.decode import DecodeSettings
+    from spectune.runtime.speculative import SpeculativeDecoder
 
     _, out = exported
     model = LlamaModel(out / "target.Q4_K_M.gguf", n_ctx=256, threads=1)
     generation = SpeculativeDecoder(model).generate(
-        model.tokenize("<|im_start|>user\nHi<|im_end|>\n"), SamplingConfig(max_tokens=8)
+        model.tokenize("<|im_start|>user\nHi<|im_end|>\n"), DecodeSettings(max_tokens=8)
     )
     assert generation.stats.generated == len(generation.tokens) > 0
 

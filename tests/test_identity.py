@@ -14,8 +14,9 @@ from spectune.export.gguf import export_model
 from spectune.models.load import load_tokenizer
 from spectune.runtime.build import identity_verdict, llamafile_compiled, matrix_types
 from spectune.runtime.chat import chat_prompt
+from spectune.runtime.decode import DecodeSettings
 from spectune.runtime.llama import LlamaModel
-from spectune.runtime.speculative import SamplingConfig, SpeculativeDecoder
+from spectune.runtime.speculative import SpeculativeDecoder
 
 WIDTH = 320  # not a multiple of 256: no K-quant block fits a row
 QUANTS = ("Q4_K_M", "Q8_0")
@@ -75,7 +76,7 @@ def test_a_rejecting_draft_gives_the_target_s_own_answers(odd_ggufs, demo_data, 
     target = LlamaModel(odd_ggufs[quant]["target"], n_ctx=512, threads=1, exact=True)
     draft = LlamaModel(odd_ggufs[quant]["draft"], n_ctx=512, threads=1, exact=True)
     plain, speculative = SpeculativeDecoder(target), SpeculativeDecoder(target, draft)
-    config = SamplingConfig(max_tokens=64, draft_max=3)
+    config = DecodeSettings(max_tokens=64, draft_max=3)
     drafted = accepted = 0
     for prompt in extract_prompts(read_dialogues(demo_data).dialogues, 12, seed=11):
         ids = target.tokenize(chat_prompt(target, prompt.messages))

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 
+from spectune.errors import SpectuneError
 from spectune.export.gguf import convert
 from spectune.export.profile import profile_pair
 from spectune.models.corpus import generate_corpus
@@ -18,6 +19,7 @@ from spectune.models.load import load_tokenizer
 from spectune.models.tokenizer_check import tokenizer_strings
 from spectune.models.world import RECIPES, Shape, build_pair, read_manifest
 from spectune.runtime.llama import LlamaModel
+from spectune.train.acceptance import read_profile
 
 
 @pytest.fixture(scope="session")
@@ -107,7 +109,7 @@ def test_a_pair_builds_deterministically_from_its_seed(tmp_path):
     assert read_manifest(build_pair(changed, tmp_path / "a"))["recipe_hash"] == changed.digest()
 
 
-def test_profile_is_measured_and_recorded(micro_pair):
+def test_profile_is_measured_and_recorded(micro_pair, tmp_path):
     profile = profile_pair(micro_pair)
     # Recorded, not judged: a speed relation (c < 1, r growing with n) would make the test depend on the load of
     # the machine it runs on; benchmarks measure speed (runtime/profile.py's medians of interleaved runs).
@@ -116,6 +118,13 @@ def test_profile_is_measured_and_recorded(micro_pair):
     assert all(r > 0 for r in profile["verify_ratio"].values())
     assert read_manifest(micro_pair)["profile_Q4_K_M"] == profile
     assert (micro_pair / "gguf" / "target.Q4_K_M.gguf").is_file()
+    # The meter reads it back from the manifest, but not when the pair was profiled at two quant types: which one
+    # was meant is then the caller's to say (a run writes its own profile.json at its export.quant).
+    assert read_profile(micro_pair / "manifest.json").cost_ratio == profile["cost_ratio"]
+    two = tmp_path / "two-profiles.json"
+    two.write_text(json.dumps({"profile_Q4_K_M": profile, "profile_Q8_0": profile}))
+    with pytest.raises(SpectuneError, match="profiles at several quant types"):
+        read_profile(two)
 
 
 def test_a_tokenizer_loads_with_the_normalizer_its_file_names(micro_pair, tmp_path):

@@ -10,9 +10,10 @@ from spectune.data.prepare import extract_prompts
 from spectune.data.read import read_dialogues
 from spectune.export.gguf import export_model
 from spectune.runtime.chat import chat_prompt
+from spectune.runtime.decode import DecodeSettings
 from spectune.runtime.llama import LlamaModel
 from spectune.runtime.ngram import NgramDrafter, NgramSettings, NgramTable, domain_table
-from spectune.runtime.speculative import SamplingConfig, SpeculativeDecoder, StochasticSampler
+from spectune.runtime.speculative import SpeculativeDecoder, StochasticSampler
 from spectune.serve.app import ServeConfig
 
 
@@ -72,7 +73,7 @@ def test_min_n_above_max_n_is_refused():
 
 def test_a_looked_up_proposal_keeps_sampling_exact():
     """An n-gram proposes without a distribution (q is one-hot): the target's token is still distributed as p."""
-    config = SamplingConfig(temperature=1.0)
+    config = DecodeSettings(temperature=1.0)
     sampler = StochasticSampler(config, np.random.default_rng(0))
     logits = np.log(np.array([[0.5, 0.3, 0.2], [0.2, 0.2, 0.6]]))
     firsts = np.zeros(3)
@@ -101,7 +102,7 @@ def test_ngram_alone_and_in_front_of_the_draft_give_the_targets_own_answers(q8_p
     domain = domain_table(NgramSettings(), answers)
     looked_up = SpeculativeDecoder(target, ngram=NgramDrafter(NgramSettings(), domain))
     combined = SpeculativeDecoder(target, draft, NgramDrafter(NgramSettings(), domain))
-    config = SamplingConfig(max_tokens=40, draft_max=4)
+    config = DecodeSettings(max_tokens=40, draft_max=4)
     totals = {"ngram": [0, 0], "combined": [0, 0, 0]}
     for prompt in extract_prompts(dialogues, 12, seed=3):
         ids = target.tokenize(chat_prompt(target, prompt.messages))
@@ -128,7 +129,7 @@ def test_a_server_with_ngram_lookup_answers_as_the_target_alone(pair, messages, 
     target, draft = pair
     model = LlamaModel(target, n_ctx=512, threads=1)
     expected = SpeculativeDecoder(model).generate(
-        model.tokenize(chat_prompt(model, messages)), SamplingConfig(max_tokens=24)
+        model.tokenize(chat_prompt(model, messages)), DecodeSettings(max_tokens=24)
     )
     config = ServeConfig(
         target=target, draft=draft, n_ctx=512, threads=1, draft_max=4, ngram=NgramSettings(), ngram_data=demo_data
@@ -142,7 +143,7 @@ def test_a_server_with_ngram_lookup_answers_as_the_target_alone(pair, messages, 
 
 
 def test_the_domain_answers_keep_only_turns_the_target_answered():
-    """seqkd answers a turn only while its context is under max_tokens: the turns after it are the dataset's own
+    """seqkd answers a turn only while its context is under max_seq_length: the turns after it are the dataset's own
     words and stay out of the domain table."""
     from spectune.data.read import Dialogue
     from spectune.train.draft import only_answered
@@ -158,6 +159,6 @@ def test_the_domain_answers_keep_only_turns_the_target_answered():
     def characters(messages):
         return sum(len(turn["content"]) for turn in messages)
 
-    kept = only_answered(dialogues, characters, max_tokens=12)
+    kept = only_answered(dialogues, characters, max_seq_length=12)
     assert [d.messages for d in kept] == [turns[:2], turns[:2]]
-    assert only_answered(dialogues, characters, max_tokens=4) == []
+    assert only_answered(dialogues, characters, max_seq_length=4) == []

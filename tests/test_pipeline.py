@@ -4,6 +4,7 @@ an interrupted run resumes, and a broken config is refused with all its errors."
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -45,9 +46,9 @@ def micro_config(run_dir, models_dir) -> RunConfig:
         "threads": 1,
         "data": {"demo_dialogues": 200},
         "models": {"size": "micro", "models_dir": str(models_dir)},
-        "finetune": {"max_steps": 20, "lr": 5e-3, "max_tokens": 192, "max_eval": 8},
-        "drafts": {"methods": ["sft"], "max_steps": 10, "lr": 3e-3, "max_tokens": 192, "max_eval": 8},
-        "acceptance": {"n": 3, "max_new_tokens": 16},
+        "finetune": {"max_steps": 20, "lr": 5e-3, "max_seq_length": 192, "max_eval": 8},
+        "drafts": {"methods": ["sft"], "max_steps": 10, "lr": 3e-3, "max_seq_length": 192, "max_eval": 8},
+        "acceptance": {"n": 3, "max_tokens": 16},
         "export": {"fidelity_dialogues": 2},
         "bench": {"n": 2, "repeats": 1, "max_tokens": 16, "draft_max": 4},
     }
@@ -77,8 +78,17 @@ def test_pipeline_runs_skips_and_resumes(micro_pair, tmp_path, monkeypatch, caps
 
     monkeypatch.setattr(stages_module, "finetune", must_not_run)
     monkeypatch.setattr(stages_module, "train_draft", lambda c: calls.append(c.resume) or real_train_draft(c))
+    capsys.readouterr()
     summary = run_pipeline(config)  # resumes at the unfinished stage
     assert calls == [False, True]  # the interrupted stage continues from its checkpoint
+    # The story and nothing else: a line when a stage starts and one with its figure when it ends (or that it was
+    # skipped), the trainers' progress lines; what the libraries and the stages said is in logs/STAGE.log.
+    printed = capsys.readouterr()
+    pattern = re.compile(r"^(✓ )?\d+/\d+ [\w:-]+(: | \.\.\.$)|^draft sft: \d+/\d+, loss ")
+    assert all(pattern.match(line) for line in printed.out.splitlines()), printed.out
+    assert re.search(r"^✓ \d+/\d+ draft:sft: sft, \d+ steps, eval loss [\d.]+ -> [\d.]+ \(\d+ s\)$", printed.out, re.M)
+    assert "finetune: unchanged, skipped" in printed.out and printed.err == ""
+    assert "parameters" in (config.layout.logs / "draft-sft.log").read_text()  # the stage's own words, kept
     manifest = json.loads((tmp_path / "run" / "manifest.json").read_text())
     assert list(manifest["stages"]) == STAGES
     assert all(stage["status"] == "done" and stage["seconds"] >= 0 for stage in manifest["stages"].values())

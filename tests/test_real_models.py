@@ -21,9 +21,10 @@ from spectune.models.imported import import_gguf
 from spectune.models.load import load_tokenizer
 from spectune.models.tokenizer_check import check_tokenizer
 from spectune.runtime.chat import chat_prompt
+from spectune.runtime.decode import DecodeSettings
 from spectune.runtime.llama import LlamaModel
 from spectune.runtime.pair import check_pair
-from spectune.runtime.speculative import SamplingConfig, SpeculativeDecoder
+from spectune.runtime.speculative import SpeculativeDecoder
 
 TEXTS = ["Hello, I'd like to book a table for two.", "What time does the pharmacy open on Sunday?"]
 
@@ -118,7 +119,7 @@ def test_a_draft_made_from_the_target_shares_its_layers_and_vocabulary(tuned_tar
     check_pair(target_gguf, draft_gguf)  # llama.cpp accepts it: the vocabulary is the target's
     model = LlamaModel(target_gguf, n_ctx=512, threads=1)
     ids = model.tokenize(chat_prompt(model, [{"role": "user", "content": TEXTS[0]}]))
-    config = SamplingConfig(max_tokens=16, draft_max=3)
+    config = DecodeSettings(max_tokens=16, draft_max=3)
     plain = SpeculativeDecoder(model).generate(ids, config)
     speculative = SpeculativeDecoder(model, LlamaModel(draft_gguf, n_ctx=512, threads=1)).generate(ids, config)
     assert speculative.tokens == plain.tokens

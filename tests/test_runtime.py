@@ -18,11 +18,11 @@ from spectune.data.read import read_dialogues
 from spectune.errors import SpectuneError
 from spectune.export.gguf import convert, export_model
 from spectune.runtime.chat import CLAUSE_END, chat_prompt
+from spectune.runtime.decode import DecodeSettings
 from spectune.runtime.llama import LlamaModel
 from spectune.runtime.speculative import (
     Generation,
     Pace,
-    SamplingConfig,
     SpeculativeDecoder,
     Stats,
     StochasticSampler,
@@ -86,7 +86,7 @@ def test_an_exact_model_stays_exact_after_an_inexact_one_in_the_same_process(ggu
 def test_greedy_speculative_output_equals_the_target_alone(ggufs, prompts, quant):
     target, draft = load(ggufs[quant]["target"]), load(ggufs[quant]["draft"])
     plain, speculative = SpeculativeDecoder(target), SpeculativeDecoder(target, draft)
-    config = SamplingConfig(max_tokens=40, draft_max=5)
+    config = DecodeSettings(max_tokens=40, draft_max=5)
     accepted = 0
     for prompt in prompts:
         ids = target.tokenize(chat_prompt(target, prompt.messages))
@@ -109,8 +109,8 @@ def test_greedy_speculative_output_equals_the_target_alone(ggufs, prompts, quant
 def test_k0_and_no_draft_equal_plain_decoding(ggufs, prompts):
     target, draft = load(ggufs["Q8_0"]["target"]), load(ggufs["Q8_0"]["draft"])
     ids = target.tokenize(chat_prompt(target, prompts[0].messages))
-    expected, plain_stats = unpack(SpeculativeDecoder(target).generate(ids, SamplingConfig(max_tokens=30)))
-    got, stats = unpack(SpeculativeDecoder(target, draft).generate(ids, SamplingConfig(max_tokens=30, draft_max=0)))
+    expected, plain_stats = unpack(SpeculativeDecoder(target).generate(ids, DecodeSettings(max_tokens=30)))
+    got, stats = unpack(SpeculativeDecoder(target, draft).generate(ids, DecodeSettings(max_tokens=30, draft_max=0)))
     assert got == expected and stats.drafted == 0 and stats.verify_steps == plain_stats.verify_steps
 
 
@@ -119,9 +119,9 @@ def test_p_min_and_adaptive_k_keep_the_output(ggufs, prompts):
     plain, speculative = SpeculativeDecoder(target), SpeculativeDecoder(target, draft)
     for prompt in prompts[:6]:
         ids = target.tokenize(chat_prompt(target, prompt.messages))
-        expected, _ = unpack(plain.generate(ids, SamplingConfig(max_tokens=30)))
-        cut, cut_stats = unpack(speculative.generate(ids, SamplingConfig(max_tokens=30, draft_max=6, draft_p_min=0.9)))
-        adaptive, _ = unpack(speculative.generate(ids, SamplingConfig(max_tokens=30, draft_max=6, adaptive=True)))
+        expected, _ = unpack(plain.generate(ids, DecodeSettings(max_tokens=30)))
+        cut, cut_stats = unpack(speculative.generate(ids, DecodeSettings(max_tokens=30, draft_max=6, draft_p_min=0.9)))
+        adaptive, _ = unpack(speculative.generate(ids, DecodeSettings(max_tokens=30, draft_max=6, adaptive=True)))
         assert cut == expected and adaptive == expected
         assert all(d <= cut_stats.verify_steps for d in cut_stats.drafted_at)
 
@@ -131,7 +131,7 @@ def test_end_of_context_stops_without_crashing(ggufs, prompts):
     n_ctx = target.n_ctx  # llama.cpp may round the context up
     filler = target.tokenize(chat_prompt(target, prompts[0].messages))
     ids = (filler * (n_ctx // len(filler) + 1))[: n_ctx - 10]
-    config = SamplingConfig(max_tokens=200, draft_max=8)
+    config = DecodeSettings(max_tokens=200, draft_max=8)
     expected, _ = unpack(SpeculativeDecoder(target).generate(ids, config))
     got, stats = unpack(SpeculativeDecoder(target, draft).generate(ids, config))
     assert got == expected
@@ -145,13 +145,13 @@ def test_stop_strings_and_max_tokens(ggufs, prompts):
     target = load(ggufs["F16"]["target"])
     decoder = SpeculativeDecoder(target, load(ggufs["F16"]["draft"]))
     ids = target.tokenize(chat_prompt(target, prompts[1].messages))
-    full, _ = unpack(decoder.generate(ids, SamplingConfig(max_tokens=30)))
-    short, stats = unpack(decoder.generate(ids, SamplingConfig(max_tokens=3)))
+    full, _ = unpack(decoder.generate(ids, DecodeSettings(max_tokens=30)))
+    short, stats = unpack(decoder.generate(ids, DecodeSettings(max_tokens=3)))
     assert short == full[:3] and stats.finish_reason == "length"
     text = target.detokenize(full)
     assert len(text) > 4, text  # long enough to hold a stop string after its start
     stop = text[2:4]
-    cut, cut_stats = unpack(decoder.generate(ids, SamplingConfig(max_tokens=30, stop=[stop])))
+    cut, cut_stats = unpack(decoder.generate(ids, DecodeSettings(max_tokens=30, stop=[stop])))
     assert stop not in target.detokenize(cut) and cut_stats.finish_reason == "stop"
     assert text.startswith(target.detokenize(cut))
 
@@ -159,7 +159,7 @@ def test_stop_strings_and_max_tokens(ggufs, prompts):
 def test_speculative_sampling_keeps_the_target_distribution():
     """Unit level: propose d ~ q, verify against p; the output token must be distributed as p."""
     rng = np.random.default_rng(0)
-    sampler = StochasticSampler(SamplingConfig(temperature=1.0), np.random.default_rng(1))
+    sampler = StochasticSampler(DecodeSettings(temperature=1.0), np.random.default_rng(1))
     vocab = 6
     p_logits = np.log(np.array([0.4, 0.25, 0.15, 0.1, 0.07, 0.03]))
     q = np.array([0.1, 0.1, 0.5, 0.1, 0.1, 0.1])
@@ -181,7 +181,7 @@ def test_speculative_sampling_end_to_end_matches_plain_sampling(ggufs, prompts):
     first_plain, first_spec = Counter(), Counter()
     runs = 300
     for seed in range(runs):
-        config = SamplingConfig(max_tokens=2, temperature=1.0, top_k=8, seed=seed, draft_max=1)
+        config = DecodeSettings(max_tokens=2, temperature=1.0, top_k=8, seed=seed, draft_max=1)
         first_plain[plain.generate(ids, config).tokens[0]] += 1
         first_spec[speculative.generate(ids, config).tokens[0]] += 1
     tokens = set(first_plain) | set(first_spec)
@@ -232,7 +232,7 @@ def test_bench_writes_its_report(ggufs, demo_data, tmp_path):
 def test_a_new_turn_reuses_the_cached_prefix_and_answers_the_same(ggufs, prompts):
     target, draft = load(ggufs["Q4_K_M"]["target"]), load(ggufs["Q4_K_M"]["draft"])
     decoder = SpeculativeDecoder(target, draft)
-    config = SamplingConfig(max_tokens=20, draft_max=4)
+    config = DecodeSettings(max_tokens=20, draft_max=4)
     messages = list(prompts[3].messages)
     first_ids = target.tokenize(chat_prompt(target, messages))
     answer, _ = unpack(decoder.generate(first_ids, config))
@@ -265,15 +265,15 @@ def test_the_first_token_never_waits_for_the_draft_and_a_new_turn_is_all_it_read
     calls = draft_calls(decoder)
     messages = list(prompts[6].messages)
     ids = target.tokenize(chat_prompt(target, messages))
-    answer, stats = unpack(decoder.generate(ids, SamplingConfig(max_tokens=24, draft_max=4)))
+    answer, stats = unpack(decoder.generate(ids, DecodeSettings(max_tokens=24, draft_max=4)))
     # the target's own first step, then the draft reads the prompt and the first token, and proposes
     assert calls[0] == (len(ids) + 1, len(ids) + 1) and stats.drafted_at and stats.verify_steps > 1
-    assert answer == plain.generate(ids, SamplingConfig(max_tokens=24)).tokens
+    assert answer == plain.generate(ids, DecodeSettings(max_tokens=24)).tokens
     # the next turn: the draft's cache kept the earlier turns, so it reads only what is new
     messages += [{"role": "assistant", "content": target.detokenize(answer)}, {"role": "user", "content": "Yes."}]
     next_ids = target.tokenize(chat_prompt(target, messages))
     calls.clear()
-    decoder.generate(next_ids, SamplingConfig(max_tokens=8, draft_max=4))
+    decoder.generate(next_ids, DecodeSettings(max_tokens=8, draft_max=4))
     new = len(next_ids) - len(ids) - len(answer)
     assert 0 < calls[0][1] <= new + len(answer) + 2, (calls[0], new, len(answer))  # never the earlier turns
     # a barge-in: the caller cut the answer short, so the conversation keeps only its first words; both caches roll
@@ -282,12 +282,12 @@ def test_the_first_token_never_waits_for_the_draft_and_a_new_turn_is_all_it_read
     barge_in = [*messages[:-2], {"role": "assistant", "content": cut}, {"role": "user", "content": "No, wait."}]
     barge_ids = target.tokenize(chat_prompt(target, barge_in))
     calls.clear()
-    generation = decoder.generate(barge_ids, SamplingConfig(max_tokens=8, draft_max=4))
+    generation = decoder.generate(barge_ids, DecodeSettings(max_tokens=8, draft_max=4))
     assert generation.stats.reused_prompt_tokens >= len(ids) and calls[0][1] <= len(barge_ids) - len(ids) + 2
     # another caller (the server forgets both caches between callers): the draft reads the whole prompt again
     decoder.forget()
     calls.clear()
-    decoder.generate(next_ids, SamplingConfig(max_tokens=8, draft_max=4))
+    decoder.generate(next_ids, DecodeSettings(max_tokens=8, draft_max=4))
     assert calls[0][1] == len(next_ids) + 1
 
 
@@ -298,8 +298,8 @@ def test_a_first_clause_decoded_alone_is_the_same_answer_and_drafting_starts_aft
     for prompt in prompts[:6]:
         ids = target.tokenize(chat_prompt(target, prompt.messages))
         calls.clear()
-        config = SamplingConfig(max_tokens=40, draft_max=4, first_words="alone")
-        generation = decoder.generate(ids, config)
+        config = DecodeSettings(max_tokens=40, draft_max=4)
+        generation = decoder.generate(ids, config, first_words="alone")
         assert generation.tokens == plain.generate(ids, config).tokens
         clause = next((m.start() + 1 for m in CLAUSE_END.finditer(generation.text)), None)  # past its mark
         if calls:  # the first proposal comes after the first clause, whose tokens the target made alone
@@ -340,6 +340,6 @@ def test_offline_acceptance_matches_the_runtime(ggufs, tuned_target, sft_draft, 
         exact = 0
         for prompt, flags in zip(prompts, matches, strict=True):
             ids = target.tokenize(chat_prompt(target, prompt.messages))
-            stats = decoder.generate(ids, SamplingConfig(max_tokens, draft_max=k)).stats
+            stats = decoder.generate(ids, DecodeSettings(max_tokens=max_tokens, draft_max=k)).stats
             exact += stats.produced / stats.verify_steps == pytest.approx(simulate_tau([flags], k).tau, rel=1e-9)
         assert exact >= 8, (quant, k, exact)  # the meter simulates the engine; at most 2 of 10 prompts hit a near-tie

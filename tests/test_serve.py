@@ -7,11 +7,12 @@ import time
 
 import httpx
 import pytest
-from conftest import running
+from conftest import run_cli, running
 
 from spectune.runtime.chat import chat_prompt
+from spectune.runtime.decode import DecodeSettings
 from spectune.runtime.llama import LlamaModel
-from spectune.runtime.speculative import SamplingConfig, SpeculativeDecoder
+from spectune.runtime.speculative import SpeculativeDecoder
 from spectune.serve.app import ServeConfig, serve_in_thread
 
 KEY = "sk-test-key"
@@ -27,7 +28,7 @@ def server(pair):
 def engine_answer(pair, messages, max_tokens: int) -> str:
     target = LlamaModel(pair[0], n_ctx=512, threads=1)
     generation = SpeculativeDecoder(target).generate(
-        target.tokenize(chat_prompt(target, messages)), SamplingConfig(max_tokens=max_tokens)
+        target.tokenize(chat_prompt(target, messages)), DecodeSettings(max_tokens=max_tokens)
     )
     return generation.text
 
@@ -100,14 +101,14 @@ def test_a_disconnected_client_stops_its_generation_and_frees_the_slot(server, m
     real_generate = SpeculativeDecoder.generate
     outcomes = []
 
-    def slow_steps(self, prompt, config, on_text=None):  # each step takes 50 ms, like a bigger model
+    def slow_steps(self, prompt, config, on_text=None, first_words="draft"):  # 50 ms a step, like a bigger model
         def paced(text):
             time.sleep(0.05)
             keep_going = on_text(text)
             outcomes.append(keep_going)
             return keep_going
 
-        return real_generate(self, prompt, config, paced)
+        return real_generate(self, prompt, config, paced, first_words)
 
     monkeypatch.setattr(SpeculativeDecoder, "generate", slow_steps)
     body = {"messages": messages, "max_tokens": 400, "stream": True, "temperature": 1.0, "seed": 3}
@@ -189,3 +190,24 @@ def test_a_request_that_waits_too_long_gets_503_with_retry_after(pair, messages,
     finally:
         instance.stop()
         thread.join(timeout=10)
+
+
+def test_the_servers_decoding_settings_are_what_a_request_leaves_unset(pair, messages):
+    """`spectune serve --max-tokens 3 --ignore-eos` caps a request that names no length; one that names its own
+    settings gets them (as llama-server's -n and --ignore-eos)."""
+    target, draft = pair
+    config = ServeConfig(target=target, draft=draft, n_ctx=512, threads=1, max_tokens=3, ignore_eos=True)
+    with running(config) as url:
+        unset = httpx.post(f"{url}/v1/chat/completions", json={"messages": messages}, timeout=60).json()
+        named = {"messages": messages, "max_tokens": 5, "ignore_eos": False, "temperature": 0}
+        own = httpx.post(f"{url}/v1/chat/completions", json=named, timeout=60).json()
+    assert unset["usage"]["completion_tokens"] == 3 and unset["choices"][0]["finish_reason"] == "length"
+    assert own["choices"][0]["message"]["content"] == engine_answer(pair, messages, 5)
+
+
+def test_generate_takes_every_decoding_setting_as_a_flag(pair, capsys):
+    target, draft = pair
+    flags = ["--max-tokens", "6", "--ignore-eos", "--top-k", "3", "--draft-max", "2", "--draft-p-min", "0.1"]
+    assert run_cli("generate", "--target", str(target), "--draft", str(draft), "--prompt", "hi", *flags) == 0
+    assert "6 tokens" in capsys.readouterr().out
+    assert run_cli("generate", "--target", str(target), "--prompt", "hi", "--temperature", "-1") != 0

@@ -137,14 +137,14 @@ def test_a_non_streaming_caller_who_hangs_up_frees_the_slot(server, messages, mo
     real_generate = SpeculativeDecoder.generate
     stopped = []
 
-    def slow(self, prompt, config, on_text=None):  # 100 ms a step, like a big model on a CPU
+    def slow(self, prompt, config, on_text=None, first_words="draft"):  # 100 ms a step, like a big model on a CPU
         def paced(text):
             time.sleep(0.1)
             keep_going = on_text(text)
             stopped.append(keep_going is False)
             return keep_going
 
-        return real_generate(self, prompt, config, paced)
+        return real_generate(self, prompt, config, paced, first_words)
 
     monkeypatch.setattr(SpeculativeDecoder, "generate", slow)
     body = {"messages": messages, "max_tokens": 200, "temperature": 1.0, "seed": 1}
@@ -163,14 +163,14 @@ def test_shutdown_joins_the_generation_threads(pair, messages, monkeypatch):
     real_generate = SpeculativeDecoder.generate
     threads = []
 
-    def slow(self, prompt, config, on_text=None):
+    def slow(self, prompt, config, on_text=None, first_words="draft"):
         threads.append(threading.current_thread())
 
         def paced(text):
             time.sleep(0.1)
             return on_text(text)
 
-        return real_generate(self, prompt, config, paced)
+        return real_generate(self, prompt, config, paced, first_words)
 
     monkeypatch.setattr(SpeculativeDecoder, "generate", slow)
     target, draft = pair
@@ -284,7 +284,7 @@ def test_export_leaves_the_files_beside_its_output_alone(sft_draft, tmp_path, ca
 
 
 def test_a_failed_generation_is_an_error_the_caller_sees_and_metrics_count(server, messages, monkeypatch):
-    def broken(self, prompt, config, on_text=None):
+    def broken(self, prompt, config, on_text=None, first_words="draft"):
         raise RuntimeError("the model fell over")
 
     monkeypatch.setattr(SpeculativeDecoder, "generate", broken)
@@ -301,7 +301,7 @@ def test_a_failed_generation_is_an_error_the_caller_sees_and_metrics_count(serve
 def test_generation_time_and_abandoned_queued_requests_are_bounded(pair, messages, monkeypatch):
     prompts = []
 
-    def endless(self, prompt, config, on_text=None):  # a generation that never ends by itself
+    def endless(self, prompt, config, on_text=None, first_words="draft"):  # a generation that never ends by itself
         prompts.append(prompt)
         while on_text("words ") is not False:
             time.sleep(0.05)
@@ -346,12 +346,12 @@ def pace_generations(monkeypatch, seconds: float, from_tokens: int = 0) -> None:
     on a CPU."""
     real_generate = SpeculativeDecoder.generate
 
-    def slow(self, prompt, config, on_text=None):
+    def slow(self, prompt, config, on_text=None, first_words="draft"):
         def paced(text):
             time.sleep(seconds if config.max_tokens >= from_tokens else 0)
             return on_text(text)
 
-        return real_generate(self, prompt, config, paced)
+        return real_generate(self, prompt, config, paced, first_words)
 
     monkeypatch.setattr(SpeculativeDecoder, "generate", slow)
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from spectune.runtime.speculative import SamplingConfig, TextStream, probabilities
+from spectune.runtime.decode import DecodeSettings
+from spectune.runtime.speculative import TextStream, probabilities
 
 
 class Pieces:
@@ -56,5 +57,5 @@ def test_an_unfinished_character_at_the_end_becomes_one_replacement_character():
 
 def test_a_vanishing_temperature_is_greedy_not_nan():
     logits = np.array([1.0, 3.0, 2.0], dtype=np.float32)
-    probs = probabilities(logits, SamplingConfig(temperature=1e-308))
+    probs = probabilities(logits, DecodeSettings(temperature=1e-308))
     assert np.array_equal(probs, [0.0, 1.0, 0.0])

@@ -30,7 +30,7 @@ from spectune.train.draft import (
     train_draft,
 )
 
-STEPS = {"batch_size": 8, "max_tokens": 256, "max_eval": 16}
+STEPS = {"batch_size": 8, "max_seq_length": 256, "max_eval": 16}
 
 
 def draft_config(micro_pair, tuned_target, demo_data, out, method: str, **options) -> DraftConfig:
@@ -42,7 +42,7 @@ def draft_config(micro_pair, tuned_target, demo_data, out, method: str, **option
         method=method,
         max_steps=20,
         lr=3e-3,
-        max_new_tokens=24,
+        max_tokens=24,
         **{**STEPS, **options},
     )
 
@@ -107,7 +107,7 @@ def test_sft_beats_generic_on_held_out_prompts(micro_pair, tuned_target, drafts,
         drafts=names,
         data=demo_data,
         n=12,
-        max_new_tokens=24,
+        max_tokens=24,
         temperature=1.0,
         json_out=tmp_path / "acceptance.json",
         ngram=NgramSettings(),

@@ -14,9 +14,9 @@ from spectune.errors import SpectuneError
 from spectune.models.load import load_tokenizer
 from spectune.train.common import greedy_answer
 from spectune.train.plan import GIB, cost_ratio, estimate, largest_fit, parse_memory, plan_report, read_shape
-from spectune.train.target import FinetuneConfig, finetune, load_base, merge
+from spectune.train.target import FinetuneConfig, MergeConfig, finetune, load_base, merge
 
-FAST = {"max_steps": 12, "lr": 3e-3, "batch_size": 4, "max_tokens": 256, "max_eval": 24, "lora_r": 8}
+FAST = {"max_steps": 12, "lr": 3e-3, "batch_size": 4, "max_seq_length": 256, "max_eval": 24, "lora_r": 8}
 
 
 @pytest.fixture(scope="module")
@@ -79,7 +79,7 @@ def test_merge_gives_the_model_as_trained(tuned, micro_pair, demo_data, tmp_path
     from transformers import AutoModelForCausalLM
 
     _, out = tuned
-    merged = merge(micro_pair / "target", out / "adapter", tmp_path / "merged")
+    merged = merge(MergeConfig(base=micro_pair / "target", adapter=out / "adapter", out=tmp_path / "merged"))
     assert merged.max_logit_diff < 1e-3 and merged.merged_into == "nf4 base, dequantized"
     model = AutoModelForCausalLM.from_pretrained(str(tmp_path / "merged"))
     assert not any("lora" in name for name, _ in model.named_parameters())
@@ -127,7 +127,7 @@ def test_bad_inputs_exit_2_and_write_nothing(micro_pair, demo_data, tmp_path, ca
     assert run_cli("finetune", "--model", str(tmp_path / "absent"), "--data", str(demo_data), "--out", str(out)) == 2
     assert "no such model folder" in capsys.readouterr().err
     with pytest.raises(SpectuneError, match="no trainable tokens"):
-        finetune(FinetuneConfig(model=micro_pair / "target", data=demo_data, out=out, max_tokens=16))
+        finetune(FinetuneConfig(model=micro_pair / "target", data=demo_data, out=out, max_seq_length=16))
     with pytest.raises(SpectuneError, match="larger than the narrowest layer"):
         finetune(FinetuneConfig(model=micro_pair / "target", data=demo_data, out=out, lora_r=4096))
     assert not (out / "adapter").exists()
@@ -172,7 +172,13 @@ def test_planner_gives_the_reference_pair_s_cost_ratio(tmp_path):
     assert 0.08 < cost_ratio(read_shape(GEMMA), read_shape("tests/data/gemma3-1b-config.json")) < 0.09
     assert (
         run_cli(
-            "plan", "--model", GEMMA, "--draft", "tests/data/gemma3-1b-config.json", "--json", str(tmp_path / "p.json")
+            "plan",
+            "--model",
+            GEMMA,
+            "--draft",
+            "tests/data/gemma3-1b-config.json",
+            "--json-out",
+            str(tmp_path / "p.json"),
         )
         == 0
     )
@@ -197,5 +203,5 @@ def test_planner_rules():
 
 
 def test_plan_cli_on_a_model_folder(micro_pair, capsys):
-    assert run_cli("plan", "--model", str(micro_pair / "target"), "--gpu-mem", "1GiB", "--seq", "256") == 0
+    assert run_cli("plan", "--model", str(micro_pair / "target"), "--gpu-mem", "1GiB", "--max-seq-length", "256") == 0
     assert "fits in 1GiB: QLoRA training" in capsys.readouterr().out

@@ -18,7 +18,7 @@ done
 rm -rf "$payload.tmp" && mkdir -p "$payload.tmp/wheels" "$payload.tmp/pair"
 
 version=$("$python" -c "from importlib.metadata import version; print(version('llama-cpp-python'))")
-sdist=$("$python" -c "from spectune.export.converter import fetch_sdist; print(fetch_sdist())")
+sdist=$("$python" -c "from spectune.llama_cpp_pin import fetch_sdist; print(fetch_sdist())")
 work=$(mktemp -d) && trap 'rm -rf "$work"' EXIT
 tar -xzf "$sdist" -C "$work"
 src=$work/llama_cpp_python-$version/vendor/llama.cpp

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import typer
+from pydantic import Field
 from rich.console import Console
 from rich.table import Table
 
@@ -25,33 +26,35 @@ from spectune.engines.handoff import HandoffConfig, hand_off
 from spectune.engines.llama_cpp import build_llama_cpp as build_tools
 from spectune.engines.llama_cpp import build_llama_libs as build_libs
 from spectune.errors import SpectuneError
-from spectune.export.gguf import DEFAULT_QUANT, QUANT_TYPES, export_model
+from spectune.export.gguf import QUANT_TYPES, check_quant, export_model
 from spectune.export.pair import ExportPairConfig
 from spectune.export.pair import export_pair as run_export_pair
 from spectune.export.profile import profile_pair
 from spectune.flags import config_command
-from spectune.layout import SERVER_SCRIPT, RunLayout
+from spectune.layout import DEFAULT_QUANT, SERVER_SCRIPT, RunLayout
 from spectune.models.derive import derive_draft
 from spectune.models.imported import REAL_MODELS, import_gguf
 from spectune.models.imported import fetch as fetch_real_model
 from spectune.models.load import load_tokenizer
+from spectune.models.resolve import MODEL_REFERENCE, resolve_model
 from spectune.models.world import RECIPES, build_pair, pair_dir, read_manifest
 from spectune.pipeline import demo_config, load_run_config, run_pipeline
 from spectune.pipeline import dry_run as plan_run
 from spectune.runtime.build import build_features, build_name, identity_verdict
 from spectune.runtime.chat import chat_prompt
+from spectune.runtime.decode import DecodeSettings
 from spectune.runtime.llama import LlamaModel
 from spectune.runtime.ngram import NgramDrafter, NgramSettings, domain_of_texts
-from spectune.runtime.speculative import SamplingConfig, SpeculativeDecoder
+from spectune.runtime.speculative import SpeculativeDecoder
 from spectune.serve.app import ServeConfig, make_uvicorn
 from spectune.serve.client import run_call
 from spectune.serve.engine import serve_llama_cpp
-from spectune.speedup import DEFAULT_DRAFT_MAX
+from spectune.story import story
 from spectune.threads import thread_count
 from spectune.train.acceptance import AcceptanceConfig, run_acceptance
 from spectune.train.draft import DraftConfig, train_draft
-from spectune.train.plan import GIB, cost_ratio, parse_memory, plan_report, read_shape
-from spectune.train.target import FinetuneConfig
+from spectune.train.plan import GIB, PlanConfig, cost_ratio, parse_memory, plan_report, read_shape
+from spectune.train.target import FinetuneConfig, MergeConfig
 from spectune.train.target import finetune as run_finetune
 from spectune.train.target import merge as run_merge
 
@@ -154,7 +157,9 @@ def data_prepare(
     eval_fraction: Annotated[float, typer.Option(help="Share of dialogues held out for eval.")] = 0.1,
     seed: SeedOpt = 0,
     dedup: Annotated[bool, typer.Option(help="Remove exact duplicates.")] = True,
-    max_tokens: Annotated[int | None, typer.Option(help="Drop dialogues longer than this (needs --tokenizer).")] = None,
+    max_seq_length: Annotated[
+        int | None, typer.Option(help="Drop dialogues longer than this many tokens (needs --tokenizer).")
+    ] = None,
     tokenizer: TokenizerOpt = None,
     system: SystemOpt = None,
     skip_invalid: SkipOpt = False,
@@ -162,9 +167,9 @@ def data_prepare(
     """Dedup, filter and split a dataset (deterministic by seed); every drop is counted."""
     result = _read(path, system, skip_invalid)
     count_tokens = None
-    if max_tokens is not None:
+    if max_seq_length is not None:
         if tokenizer is None:
-            raise SpectuneError("--max-tokens needs --tokenizer")
+            raise SpectuneError("--max-seq-length needs --tokenizer")
         loaded = load_tokenizer(tokenizer)
         count_tokens = lambda d: len(render(loaded, d.messages).input_ids)  # noqa: E731
     split = split_dialogues(
@@ -172,7 +177,7 @@ def data_prepare(
         eval_fraction=eval_fraction,
         seed=seed,
         remove_duplicates=dedup,
-        max_tokens=max_tokens,
+        max_seq_length=max_seq_length,
         count_tokens=count_tokens,
     )
     for why, n in split.dropped.items():
@@ -208,6 +213,9 @@ def data_demo(
     console.print(f"{count} dialogues -> {out}")
 
 
+VerboseOpt = Annotated[
+    bool, typer.Option("--verbose", help="Show what the libraries say (else kept in the run's logs/ folder).")
+]
 ModelsDirOpt = Annotated[Path | None, typer.Option(help="Models directory (default: the user cache).")]
 
 
@@ -216,14 +224,15 @@ def models_list(models_dir: ModelsDirOpt = None) -> None:
     """The pair sizes, their shapes, and which are built here."""
 
     table = Table(title="demo-world pairs")
-    for column in ("size", "target (hidden x layers)", "draft", "built", "params target / draft", "c (Q4_K_M)"):
+    columns = ("size", "target (hidden x layers)", "draft", "built", "params target / draft", f"c ({DEFAULT_QUANT})")
+    for column in columns:
         table.add_column(column)
     for size, recipe in RECIPES.items():
         folder = pair_dir(size, models_dir)
         built = (folder / "manifest.json").is_file()
         manifest = read_manifest(folder) if built else {}
         params = f"{manifest['target']['parameters']:,} / {manifest['draft']['parameters']:,}" if built else "-"
-        profile = manifest.get("profile_Q4_K_M", {})
+        profile = manifest.get(f"profile_{DEFAULT_QUANT}", {})
         table.add_row(
             size,
             f"{recipe.target.hidden} x {recipe.target.layers}",
@@ -240,15 +249,16 @@ def models_build(
     size: Annotated[str, typer.Argument(help="micro (tests), small (default demo) or medium (the 12B:1B regime).")],
     models_dir: ModelsDirOpt = None,
     force: Annotated[bool, typer.Option(help="Rebuild even if the recipe did not change.")] = False,
-    profile: Annotated[bool, typer.Option(help="Export Q4_K_M GGUFs and measure c and r(n) here.")] = True,
+    profile: Annotated[bool, typer.Option(help="Export GGUFs at --quant and measure c and r(n) here.")] = True,
+    quant: Annotated[str, typer.Option(help=f"GGUF type: {', '.join(QUANT_TYPES)}.")] = DEFAULT_QUANT,
 ) -> None:
-    """Build a pair (cached by recipe), export it to Q4_K_M and measure its hardware profile."""
+    """Build a pair (cached by recipe), export it to GGUF and measure its hardware profile."""
 
     folder = build_pair(size, models_dir, force=force)
     manifest = read_manifest(folder)
     console.print(f"{size} pair: {folder} (built in {manifest['build_seconds']} s)")
     if profile:
-        _print_profile(profile_pair(folder, force=force))
+        _print_profile(profile_pair(folder, check_quant(quant), force=force))
 
 
 def _print_profile(profile: dict) -> None:
@@ -285,7 +295,7 @@ def models_fetch(
 
 @models_app.command("derive")
 def models_derive(
-    target: Annotated[Path, typer.Argument(help="The target's HF folder.")],
+    target: Annotated[Path, typer.Argument(help=f"The target: {MODEL_REFERENCE}.")],
     out: Annotated[Path, typer.Argument(help="The draft's HF folder to write.")],
     layers: Annotated[
         list[int], typer.Option("--layer", help="A target layer to keep (repeat; negative counts from the end).")
@@ -314,17 +324,10 @@ def finetune(config: FinetuneConfig) -> None:
     )
 
 
-@app.command()
-def merge(
-    base: Annotated[Path, typer.Option(help="The base model folder the adapter was trained on.")],
-    adapter: Annotated[Path, typer.Option(help="The LoRA adapter folder.")],
-    out: Annotated[Path, typer.Option(help="Where to write the merged HF model.")],
-    four_bit: Annotated[
-        bool, typer.Option(help="The adapter was trained on the NF4 base (QLoRA): merge into it, dequantized.")
-    ] = True,
-) -> None:
+@config_command(app, MergeConfig)
+def merge(config: MergeConfig) -> None:
     """Merge a (Q)LoRA adapter into the base it was trained on; checks merged == base + adapter."""
-    result = run_merge(base, adapter, out, four_bit)
+    result = run_merge(config)
     console.print(
         f"merged into the {result.merged_into} -> {result.model} "
         f"(max logit difference vs base + adapter: {result.max_logit_diff:.1e})"
@@ -367,9 +370,9 @@ def export(
         Path | None, typer.Argument(help="With --for vllm|sglang: a finished run folder, whose chosen pair is handed.")
     ] = None,
     engine: Annotated[
-        str, typer.Option("--for", help="gguf: one HF folder to GGUF (--model, --out); vllm | sglang: a run's pair.")
+        str, typer.Option("--for", help="gguf: one model to GGUF (--model, --out); vllm | sglang: a run's pair.")
     ] = "gguf",
-    model: Annotated[Path | None, typer.Option(help="HF model folder (a merged target, or a draft).")] = None,
+    model: Annotated[Path | None, typer.Option(help=f"The model to export: {MODEL_REFERENCE}.")] = None,
     out: Annotated[
         Path | None, typer.Option(help="The .gguf file, or the hand-off folder (default RUN/handoff/ENGINE).")
     ] = None,
@@ -386,8 +389,8 @@ def export(
         typer.echo(report["command"])
         return
     if model is None or out is None:
-        raise SpectuneError("--for gguf: give --model HF_FOLDER and --out FILE.gguf")
-    path = export_model(model, out, quant, keep_f16=keep_f16)
+        raise SpectuneError("--for gguf: give --model MODEL and --out FILE.gguf")
+    path = export_model(resolve_model(model), out, quant, keep_f16=keep_f16)
     console.print(f"{path} ({path.stat().st_size / 1e6:.1f} MB, {quant})")
 
 
@@ -417,35 +420,33 @@ def export_pair(config: ExportPairConfig) -> None:
     )
 
 
-@app.command()
-def generate(
-    target: Annotated[Path, typer.Option(help="Target GGUF.")],
-    draft_model: Annotated[Path | None, typer.Option("--draft", help="Draft GGUF (speculative decoding).")] = None,
-    prompt: Annotated[str | None, typer.Option(help="One user message; omit with --chat.")] = None,
-    chat: Annotated[bool, typer.Option("--chat", help="An interactive conversation.")] = False,
-    system: SystemOpt = None,
-    max_tokens: Annotated[int, typer.Option(help="Longest answer.")] = 256,
-    temperature: Annotated[float, typer.Option(help="0 = greedy.")] = 0.0,
-    seed: Annotated[int, typer.Option(help="Sampling seed.")] = 0,
-    draft_max: Annotated[int, typer.Option(help="Draft length k.")] = DEFAULT_DRAFT_MAX,
-    threads: Annotated[int | None, typer.Option(help="Threads (default: $SPECTUNE_THREADS or all).")] = None,
-    exact: Annotated[bool, typer.Option(help="Batched logits equal to one-token ones.")] = True,
-    ngram_data: Annotated[
-        Path | None,
-        typer.Option(help="N-gram lookup in front of the draft, its domain table from this chat dataset's answers."),
-    ] = None,
-) -> None:
+class GenerateConfig(DecodeSettings):
+    """Everything `spectune generate` takes."""
+
+    target: Path = Field(description="Target GGUF.")
+    draft: Path | None = Field(None, description="Draft GGUF (speculative decoding).")
+    prompt: str | None = Field(None, description="One user message; omit with --chat.")
+    chat: bool = Field(False, description="An interactive conversation.")
+    system: str | None = Field(None, description="System prompt.")
+    threads: int | None = Field(None, ge=1, description="Threads (default: $SPECTUNE_THREADS or all).")
+    ngram_data: Path | None = Field(
+        None, description="N-gram lookup in front of the draft, its domain table from this chat dataset's answers."
+    )
+
+
+@config_command(app, GenerateConfig)
+def generate(config: GenerateConfig) -> None:
     """Stream an answer (or a conversation) from the target, with the draft speculating; print the stats."""
-    if prompt is None and not chat:
+    if config.prompt is None and not config.chat:
         raise SpectuneError("give --prompt TEXT or --chat")
-    model = LlamaModel(target, threads=threads, exact=exact)
+    model = LlamaModel(config.target, threads=config.threads, exact=config.exact)
     ngram = None
-    if ngram_data is not None:
+    if config.ngram_data is not None:
         settings = NgramSettings()
-        ngram = NgramDrafter(settings, domain_of_texts(settings, assistant_turns(ngram_data), model.tokenize))
-    draft = LlamaModel(draft_model, threads=threads, exact=exact) if draft_model else None
+        ngram = NgramDrafter(settings, domain_of_texts(settings, assistant_turns(config.ngram_data), model.tokenize))
+    draft = LlamaModel(config.draft, threads=config.threads, exact=config.exact) if config.draft else None
     decoder = SpeculativeDecoder(model, draft, ngram)
-    config = SamplingConfig(max_tokens=max_tokens, temperature=temperature, seed=seed, draft_max=draft_max)
+    prompt, system = config.prompt, config.system
     messages = [{"role": "system", "content": system}] if system else []
 
     def show(text: str) -> bool:
@@ -455,6 +456,7 @@ def generate(
 
     while True:
         text = prompt if prompt is not None else typer.prompt("you", prompt_suffix="> ")
+        prompt = None  # with --chat, --prompt is the first turn only
         messages.append({"role": "user", "content": text})
         generation = decoder.generate(model.tokenize(chat_prompt(model, messages)), config, show)
         messages.append({"role": "assistant", "content": generation.text})
@@ -464,7 +466,7 @@ def generate(
             f"{stats.ttft_seconds * 1000:.0f} ms, acceptance {stats.acceptance_rate:.0%}, "
             f"{stats.mean_accepted_len:.2f} tokens per target pass[/]"
         )
-        if not chat:
+        if not config.chat:
             break
 
 
@@ -534,8 +536,10 @@ def run_command(
     dry_run: Annotated[
         bool, typer.Option("--dry-run", help="Check the config and paths, print each stage's settings; run nothing.")
     ] = False,
+    verbose: VerboseOpt = False,
 ) -> None:
     """The whole pipeline: data -> QLoRA target -> merge -> drafts -> export -> acceptance -> bench -> report."""
+    story.verbose = verbose
     if dry_run:
         typer.echo(json.dumps(plan_run(load_run_config(config)), indent=2))
         return
@@ -547,8 +551,10 @@ def run_command(
 def demo(
     size: Annotated[str, typer.Option(help="demo (default), micro (a quick look) or medium (~1 h).")] = "demo",
     run_dir: Annotated[Path | None, typer.Option(help="Run folder (default runs/demo, runs/demo-SIZE).")] = None,
+    verbose: VerboseOpt = False,
 ) -> None:
     """The whole story on the built-in default: demo pair, generated voice-bot dialogues, all stages."""
+    story.verbose = verbose
     config = demo_config(size, run_dir)
     recipe = RECIPES[size]
     narrower = recipe.target.hidden // recipe.draft.hidden
@@ -646,28 +652,18 @@ def call(
     run_call(server, api_key, speak, system)
 
 
-@app.command()
-def plan(
-    model: Annotated[Path, typer.Option(help="A model folder or an HF config.json (no weights needed).")],
-    gpu_mem: Annotated[str, typer.Option(help="Memory to plan for, e.g. 16GiB.")] = "16GiB",
-    seq: Annotated[int, typer.Option(help="Training sequence length.")] = 2048,
-    batch: Annotated[int, typer.Option(help="Training batch size.")] = 1,
-    rank: Annotated[int, typer.Option(help="LoRA rank.")] = 16,
-    context: Annotated[int, typer.Option(help="Inference context (KV cache) in tokens.")] = 8192,
-    json_out: Annotated[Path | None, typer.Option("--json", help="Also write the plan as JSON.")] = None,
-    draft: Annotated[
-        Path | None, typer.Option(help="The draft's folder or config.json: prints its cost ratio c.")
-    ] = None,
-) -> None:
+@config_command(app, PlanConfig)
+def plan(config: PlanConfig) -> None:
     """Estimate what QLoRA training and 4-bit inference need, and what fits in --gpu-mem."""
-
-    shape = read_shape(model)
-    report = plan_report(shape, parse_memory(gpu_mem), seq=seq, batch=batch, rank=rank, context=context)
-    if draft is not None:
-        draft_shape = read_shape(draft)
+    shape = read_shape(config.model)
+    seq, batch, rank = config.max_seq_length, config.batch_size, config.lora_r
+    report = plan_report(shape, parse_memory(config.gpu_mem), seq=seq, batch=batch, rank=rank, context=config.context)
+    if config.draft is not None:
+        draft_shape = read_shape(config.draft)
         report["draft"] = {"params": draft_shape.params, "cost_ratio": cost_ratio(shape, draft_shape)}
     numbers = report["estimate"]
-    table = Table(title=f"{model}: {numbers['params'] / 1e9:.2f}B parameters; seq {seq} x batch {batch}, rank {rank}")
+    title = f"{config.model}: {numbers['params'] / 1e9:.2f}B parameters; seq {seq} x batch {batch}, rank {rank}"
+    table = Table(title=title)
     table.add_column("what")
     table.add_column("GiB", justify="right")
     rows = [
@@ -681,14 +677,14 @@ def plan(
         ("QLoRA total", "qlora_total"),
         ("QLoRA total, gradient checkpointing", "qlora_total_checkpointed"),
         ("Q4_K_M GGUF", "gguf_q4_k_m"),
-        (f"KV cache at {context} tokens (f16)", "kv_cache"),
+        (f"KV cache at {config.context} tokens (f16)", "kv_cache"),
         ("Q4_K_M inference total", "inference_total"),
     ]
     for label, key in rows:
         table.add_row(label, f"{numbers[key] / GIB:.2f}")
     console.print(table)
     for what, fits in report["fits"].items():
-        console.print(f"{'[green]fits[/]' if fits else '[red]does not fit[/]'} in {gpu_mem}: {what}")
+        console.print(f"{'[green]fits[/]' if fits else '[red]does not fit[/]'} in {config.gpu_mem}: {what}")
     longest = report["largest_seq_at_batch"]
     console.print(
         f"longest QLoRA sequence at batch {batch}: {longest['checkpointing']} tokens with gradient "
@@ -697,11 +693,11 @@ def plan(
     if "draft" in report:
         params, c = report["draft"]["params"], report["draft"]["cost_ratio"]
         console.print(
-            f"draft {draft}: {params / 1e9:.2f}B parameters, c = {c:.3f} "
+            f"draft {config.draft}: {params / 1e9:.2f}B parameters, c = {c:.3f} "
             "(draft step / target step on a memory-bound GPU, by the weights each reads per token)"
         )
-    if json_out:
-        json_out.write_text(json.dumps(report, indent=2))
+    if config.json_out:
+        config.json_out.write_text(json.dumps(report, indent=2))
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -9,6 +9,7 @@ from typing import Any
 
 from spectune.errors import SpectuneError
 
+DEFAULT_QUANT = "Q4_K_M"  # the GGUF type a run exports to unless its export.quant says otherwise
 CONTROL_DRAFT = "generic"  # the untrained draft every tuned one is compared with
 TARGET = "target"
 # The files an export folder holds besides the GGUFs (export-pair writes them into any folder).
@@ -22,7 +23,7 @@ def gguf_name(name: str, quant: str) -> str:
 class RunLayout:
     """Every path of a run directory; export names GGUFs by `quant`."""
 
-    def __init__(self, root: Path, quant: str = "Q4_K_M") -> None:
+    def __init__(self, root: Path, quant: str = DEFAULT_QUANT) -> None:
         self.root, self.quant = Path(root), quant
         self.manifest = self.root / "manifest.json"
         self.report = self.root / "report.md"
@@ -34,11 +35,13 @@ class RunLayout:
         self.target_dir = self.root / "target"  # fine-tuning output: adapter/, checkpoints/, finetune.json
         self.merged_target = self.target_dir / "merged"
         self.acceptance = self.root / "acceptance.json"
+        self.profile = self.root / "profile.json"  # the demo pair's hardware profile (c, r(n)) at the run's quant
         self.gguf_dir = self.root / "gguf"
         self.export_report = self.gguf_dir / EXPORT_REPORT
         self.chosen_pair = self.gguf_dir / CHOSEN_PAIR  # the best tuned draft and its k (written by export)
         self.server_script = self.gguf_dir / SERVER_SCRIPT
         self.bench_dir = self.root / "bench"
+        self.logs = self.root / "logs"  # what the libraries said during each stage (logs/STAGE.log)
 
     def draft_dir(self, method: str) -> Path:
         """Draft training output: model/, checkpoints/, draft.json."""

@@ -10,6 +10,7 @@ Training stages read the train file only: their reported eval loss is measured o
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import json
@@ -22,13 +23,12 @@ from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import Field, model_validator
-from rich.console import Console
 
 from spectune.atomic import atomic_path
 from spectune.bench.run import BenchConfig, BenchSettings, bench
 from spectune.config import Settings, read_yaml, validate
 from spectune.data.demo import generate_dialogues
-from spectune.data.prepare import split_dialogues
+from spectune.data.prepare import SplitSettings, split_dialogues
 from spectune.data.read import read_dialogues, write_jsonl
 from spectune.errors import Problem, SpectuneError
 from spectune.export.gguf import check_quant
@@ -37,8 +37,10 @@ from spectune.export.profile import profile_pair
 from spectune.layout import CONTROL_DRAFT, TARGET, RunLayout
 from spectune.models.derive import derive_draft
 from spectune.models.imported import REAL_MODELS, fetch
+from spectune.models.resolve import MODEL_REFERENCE, is_hub_id, resolve_model
 from spectune.models.world import RECIPES, build_pair
 from spectune.runtime.ngram import NgramSettings
+from spectune.story import chatter_to, story
 from spectune.threads import configure_torch_threads, thread_count
 from spectune.train.acceptance import AcceptanceConfig, AcceptanceSettings, run_acceptance
 from spectune.train.draft import (
@@ -51,18 +53,12 @@ from spectune.train.draft import (
     train_draft,
 )
 from spectune.train.plan import parse_memory, plan_report, read_shape
-from spectune.train.target import FinetuneConfig, FinetuneSettings, finetune, merge
-
-console = Console()
+from spectune.train.target import FinetuneConfig, FinetuneSettings, MergeConfig, finetune, merge
 
 
-class DataSettings(Settings):
+class DataSettings(SplitSettings):
     path: Path | Literal["demo"] = Field("demo", description="Task dataset, or demo: generated voice-bot dialogues.")
     demo_dialogues: int = Field(2000, ge=100, le=50_000, description="How many demo dialogues to generate.")
-    eval_data: Path | None = Field(None, description="Held-out dataset (default: a seeded split of path).")
-    eval_fraction: float = Field(0.1, ge=0.0, lt=1.0, description="Share held out when no eval data is given.")
-    system: str | None = Field(None, description="System prompt to prepend where a record has none.")
-    seed: int = Field(0, description="Seed of the data, the split and training.")
 
 
 class ModelsSettings(Settings):
@@ -70,10 +66,10 @@ class ModelsSettings(Settings):
     fetch: Literal[tuple(REAL_MODELS)] | None = Field(  # type: ignore[valid-type]
         None, description="... or a real model that installs offline (`spectune models fetch`) as the target ..."
     )
-    target: Path | None = Field(None, description="... or your own local HF target folder;")
+    target: Path | None = Field(None, description=f"... or your own target: {MODEL_REFERENCE};")
     draft: Literal[tuple(REAL_MODELS)] | Literal["target-layers"] | Path | None = Field(  # type: ignore[valid-type]
         None,
-        description="the draft: a local HF folder, a real model that installs offline (a sibling of the target), "
+        description=f"the draft: {MODEL_REFERENCE}, a real model that installs offline (a sibling of the target), "
         "or target-layers (made from the target's own layers).",
     )
     draft_layers: list[int] = Field(
@@ -176,7 +172,7 @@ def check_paths(config: RunConfig, source: str) -> None:
         ("models.target", config.models.target),
         ("models.draft", config.models.draft),
     ):
-        if isinstance(path, Path) and not path.exists():
+        if isinstance(path, Path) and not path.exists() and not (where.startswith("models.") and is_hub_id(path)):
             problems.append(Problem(source, f"no such file or folder: {path}", field=where))
     if problems:
         raise SpectuneError(f"{source}: {len(problems)} config error(s)", problems)
@@ -188,27 +184,28 @@ DEMO_SETTINGS = {
     # one timed run each after a warm-up; the aggregate rests on the total, not on any one prompt).
     "demo": {
         "data": {"eval_fraction": 0.125},
-        "finetune": {"max_steps": 64, "lr": 2e-3, "max_tokens": 256},
+        "finetune": {"max_steps": 64, "lr": 2e-3, "max_seq_length": 256},
         "drafts": {
             "methods": ["sft", "kd", "seqkd"],
             "max_steps": 64,
             "lr": 2e-3,
-            "max_tokens": 256,
+            "max_seq_length": 256,
+            "max_tokens": 64,
             "overrides": {"seqkd": {"max_train": 512}},  # the dialogues 64 steps of 8 read
         },
-        "acceptance": {"n": 20, "max_new_tokens": 48},
+        "acceptance": {"n": 20, "max_tokens": 48},
         "bench": {"n": 300, "repeats": 1, "max_tokens": 48},
     },
     "micro": {
-        "finetune": {"max_steps": 100, "lr": 5e-3, "max_tokens": 256},
-        "drafts": {"max_steps": 80, "lr": 3e-3, "max_tokens": 256},
-        "acceptance": {"n": 10, "max_new_tokens": 32},
+        "finetune": {"max_steps": 100, "lr": 5e-3, "max_seq_length": 256},
+        "drafts": {"max_steps": 80, "lr": 3e-3, "max_seq_length": 256, "max_tokens": 64},
+        "acceptance": {"n": 10, "max_tokens": 32},
         "bench": {"n": 5, "repeats": 1, "max_tokens": 32},
     },
     "medium": {
-        "finetune": {"max_steps": 400, "lr": 1e-3, "max_tokens": 256},
-        "drafts": {"max_steps": 400, "lr": 2e-3, "max_tokens": 256},
-        "acceptance": {"n": 30, "max_new_tokens": 64},
+        "finetune": {"max_steps": 400, "lr": 1e-3, "max_seq_length": 256},
+        "drafts": {"max_steps": 400, "lr": 2e-3, "max_seq_length": 256, "max_tokens": 64},
+        "acceptance": {"n": 30, "max_tokens": 64},
         "bench": {"n": 20, "repeats": 3, "max_tokens": 64},
     },
 }
@@ -284,14 +281,12 @@ def target_stage(context: Context) -> dict[str, Any]:
     if section.fetch is not None:
         return {"target": str(fetch(section.fetch))}
     if section.target is not None:
-        return {"target": str(section.target)}
+        return {"target": str(resolve_model(section.target))}
     folder = build_pair(section.size, section.models_dir)
-    return {
-        "target": str(folder / "target"),
-        "pair_draft": str(folder / "draft"),
-        "profile": profile_pair(folder),
-        "manifest": str(folder / "manifest.json"),
-    }
+    profile = profile_pair(folder, context.layout.quant)
+    with atomic_path(context.layout.profile) as tmp:
+        tmp.write_text(json.dumps(profile, indent=2))
+    return {"target": str(folder / "target"), "pair_draft": str(folder / "draft"), "profile": profile}
 
 
 def base_draft_stage(context: Context) -> dict[str, Any]:
@@ -302,7 +297,7 @@ def base_draft_stage(context: Context) -> dict[str, Any]:
         return {"draft": str(derive_draft(Path(target["target"]), section.draft_layers, context.layout.derived_draft))}
     if section.draft in REAL_MODELS:
         return {"draft": str(fetch(section.draft))}
-    return {"draft": str(section.draft or target["pair_draft"])}
+    return {"draft": str(resolve_model(section.draft) if section.draft else target["pair_draft"])}
 
 
 def train_inputs(context: Context, out: Path) -> dict[str, Any]:
@@ -328,7 +323,10 @@ def finetune_stage(context: Context) -> dict[str, Any]:
 
 def merge_stage(context: Context) -> dict[str, Any]:
     base, adapter = Path(context.outputs["target"]["target"]), Path(context.outputs["finetune"]["adapter"])
-    return merge(base, adapter, context.layout.merged_target, context.config.finetune.four_bit).model_dump(mode="json")
+    config = MergeConfig(
+        base=base, adapter=adapter, out=context.layout.merged_target, four_bit=context.config.finetune.four_bit
+    )
+    return merge(config).model_dump(mode="json")
 
 
 def draft_stage(context: Context, method: str) -> dict[str, Any]:
@@ -346,12 +344,12 @@ def draft_stage(context: Context, method: str) -> dict[str, Any]:
 def acceptance_config(context: Context, drafts: dict[str, Path], **overrides: Any) -> AcceptanceConfig:
     """The offline meter on the run's held-out prompts with these drafts (the acceptance stage's, or a benchmark's
     with other drafts), the run's acceptance settings with `overrides`."""
-    manifest = context.outputs["target"].get("manifest")
+    measured = "profile" in context.outputs["target"]
     return AcceptanceConfig(
         target=context.merged,
         drafts=drafts,
         data=context.layout.eval_file,
-        profile=Path(manifest) if manifest else None,
+        profile=context.layout.profile if measured else None,
         **{**context.config.acceptance.model_dump(), **overrides},
     )
 
@@ -428,12 +426,13 @@ def _eval_and_domain_files(context: Context) -> list[Path]:
 def _target_folder(context: Context) -> list[Path]:
     """The user's own target folder, by content: a base retrained in place reruns everything after it. (Fetched and
     demo models are made by spectune from pinned sources.)"""
-    return [context.config.models.target] if context.config.models.target is not None else []
+    target = context.config.models.target
+    return [target] if target is not None and not is_hub_id(target) else []  # a hub id: its snapshot is the hub's
 
 
 def _draft_folder(context: Context) -> list[Path]:
     draft = context.config.models.draft
-    return [draft] if isinstance(draft, Path) else []
+    return [draft] if isinstance(draft, Path) and not is_hub_id(draft) else []
 
 
 def _data_files(context: Context) -> list[Path]:
@@ -447,7 +446,12 @@ def stages(config: RunConfig) -> list[Stage]:
     bases = ("merge", "base-draft")  # the tuned target and the untrained control draft
     return [
         Stage("data", data_stage, lambda c: c.data, reads=_data_files),
-        Stage("target", target_stage, lambda c: c.models.model_dump(include=TARGET_FIELDS), reads=_target_folder),
+        Stage(
+            "target",
+            target_stage,
+            lambda c: [c.models.model_dump(include=TARGET_FIELDS), c.export.quant],  # a demo pair is profiled at it
+            reads=_target_folder,
+        ),
         Stage("finetune", finetune_stage, lambda c: [c.finetune, c.data.seed], ("target",), _train_file),
         Stage("merge", merge_stage, lambda c: c.finetune.four_bit, ("target", "finetune")),
         Stage(
@@ -554,18 +558,19 @@ class Run:
         context = Context(self.config, self.layout, self.outputs)
         key = self.inputs_key(stage, context)
         record = self.manifest["stages"].get(stage.name, {})
-        header = f"stage {number}/{total}: {stage.name}"
+        header = f"{number}/{total} {stage.name}"
         if self.should_skip(stage, record, key):
-            console.print(f"[dim]{header} (unchanged, skipped)[/]")
+            story.console().print(f"[dim]{header}: unchanged, skipped[/]", soft_wrap=True)
             self.outputs[stage.name] = record["outputs"]
             return record["outputs"]
-        console.rule(header)
         context.resuming = record.get("status") == "running" and record.get("inputs") == key
         self.manifest["stages"][stage.name] = {"status": "running", "inputs": key, "started": time.time()}
         self.save()
         start = time.perf_counter()
-        outputs = json.loads(json.dumps(stage.step(context), default=str))
+        outputs = self.step(stage, context, header)
         seconds = round(time.perf_counter() - start, 2)
+        figure = FIGURES[stage.name.split(":")[0]](outputs)
+        story.console().print(f"[green]✓[/] {header}: {figure} ({seconds:.0f} s)", soft_wrap=True)
         self.manifest["stages"][stage.name] = {
             "status": "done",
             "inputs": key,
@@ -576,6 +581,44 @@ class Run:
         self.save()
         self.outputs[stage.name] = outputs
         return outputs
+
+    def step(self, stage: Stage, context: Context, header: str) -> dict[str, Any]:
+        """The stage's step, the libraries' output kept in its log (logs/STAGE.log); a spinner (on a terminal) or
+        a line (elsewhere) while it runs."""
+        log = self.layout.logs / f"{stage.name.replace(':', '-')}.log"
+        with chatter_to(log) as terminal:
+            if not terminal.is_terminal:
+                terminal.print(f"{header} ...", highlight=False, soft_wrap=True)
+            try:
+                with terminal.status(header) if terminal.is_terminal else contextlib.nullcontext():
+                    return json.loads(json.dumps(stage.step(context), default=str))
+            except BaseException:
+                terminal.print(f"[red]✗[/] {header} stopped; what the libraries said is in {log}", soft_wrap=True)
+                raise
+
+
+def _losses(outputs: dict[str, Any]) -> str:
+    return f"eval loss {outputs['eval_loss_before']:.2f} -> {outputs['eval_loss_after']:.2f}"
+
+
+# Each stage's own figure, printed when it ends.
+FIGURES: dict[str, Callable[[dict[str, Any]], str]] = {
+    "data": lambda out: f"{out['train_dialogues']:,} dialogues to train on, {out['eval_dialogues']:,} held out",
+    "target": lambda out: out["target"],
+    "finetune": lambda out: f"{out['steps']} steps, {_losses(out)}",
+    "merge": lambda out: f"into the {out['merged_into']}, logits within {out['max_logit_diff']:.0e} of base + adapter",
+    "base-draft": lambda out: out["draft"],
+    "draft": lambda out: f"{out['method']}, {out['steps']} steps, {_losses(out)}",
+    "export": lambda out: f"{len(out['files'])} GGUFs at {out['reports']['quant']}",
+    "acceptance": lambda out: (
+        "accepted "
+        + ", ".join(f"{row['name']} {row['alpha']:.0%}" for row in out["drafts"])
+        + f"; serving {out['chosen']['draft_name']} at k = {out['chosen']['k']}"
+    ),
+    "bench": lambda out: (
+        "here " + ", ".join(f"{name} {row['aggregate_speedup']:.2f}x" for name, row in out["summary"].items())
+    ),
+}
 
 
 def run_pipeline(config: RunConfig, force_from: str | None = None, only: str | None = None) -> dict[str, Any]:
@@ -603,12 +646,12 @@ def dry_run(config: RunConfig) -> dict[str, Any]:
     """What a run would do, nothing executed: each stage's resolved settings and the stages it needs, and for a
     local target folder the memory plan at the fine-tune's sequence, batch and rank (16 GiB, the reference card)."""
     plan = None
-    if config.models.target is not None:
+    if config.models.target is not None and config.models.target.is_dir():
         section = config.finetune
         plan = plan_report(
             read_shape(config.models.target),
             parse_memory("16GiB"),
-            seq=section.max_tokens,
+            seq=section.max_seq_length,
             batch=section.batch_size,
             rank=section.lora_r,
             context=DRY_RUN_CONTEXT,

@@ -20,6 +20,7 @@ from spectune.engines.llama_cpp import SERVER, built_tool
 from spectune.engines.llama_cpp import SPECULATIVE_TOOL as TOOL
 from spectune.engines.llama_server import LlamaServer, free_port, server_command, server_env, speculation_flags
 from spectune.errors import SpectuneError
+from spectune.runtime.decode import DecodeSettings
 
 LOG_ATTEMPTS = 8
 BASELINE_READY_SECONDS = 120.0
@@ -110,9 +111,8 @@ def llama_baseline(
     settings): the baseline our target-alone loop is checked against. Yields run(prompt text, max tokens); its
     timings are the server's own decode time, the prompt excluded, as ours are."""
     port = free_port()
-    command = server_command(
-        binary or built_tool(SERVER), target, None, 0, threads, port=port, n_ctx=n_ctx, exact=exact
-    )
+    settings = DecodeSettings(draft_max=0, exact=exact)
+    command = server_command(binary or built_tool(SERVER), target, None, settings, threads, port=port, n_ctx=n_ctx)
     url = f"http://127.0.0.1:{port}"
     with tempfile.TemporaryFile("w+") as log, LlamaServer(command, server_env(exact, None), url, log) as server:
         server.wait_ready(BASELINE_READY_SECONDS)

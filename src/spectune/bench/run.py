@@ -9,7 +9,6 @@ predicts is given for this machine and for a memory-bound GPU (r = 1), beside th
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
 import json
 import statistics
@@ -17,14 +16,13 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal, TypeVar
+from typing import Any, TypeVar
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, model_validator
 from rich.console import Console
 
 from spectune.atomic import atomic_path
 from spectune.bench.peer import PeerRun, llama_baseline, run_peer
-from spectune.config import Settings
 from spectune.data.prepare import read_prompts
 from spectune.data.read import assistant_turns
 from spectune.engines.llama_cpp import SPECULATIVE_TOOL, built_tool
@@ -32,11 +30,12 @@ from spectune.errors import SpectuneError
 from spectune.layout import CONTROL_DRAFT, TARGET
 from spectune.runtime.build import identity_verdict
 from spectune.runtime.chat import CLAUSE_END, chat_prompt
+from spectune.runtime.decode import DecodeSettings
 from spectune.runtime.llama import LlamaModel
 from spectune.runtime.ngram import NGRAM, NgramDrafter, NgramSettings, domain_of_texts
 from spectune.runtime.profile import gguf_weights, measure_profile
-from spectune.runtime.speculative import Generation, SamplingConfig, SpeculativeDecoder
-from spectune.speedup import DEFAULT_DRAFT_MAX, speedup_of_steps, step_cost_ratio, verify_ratio_at
+from spectune.runtime.speculative import FirstWords, Generation, SpeculativeDecoder
+from spectune.speedup import speedup_of_steps, step_cost_ratio, verify_ratio_at
 
 console = Console()
 Result = TypeVar("Result")
@@ -109,29 +108,25 @@ def result_row(summary: dict[str, Any]) -> dict[str, Any]:
     return {key: summary[key] for key in SUMMARY_KEYS} | {key: summary.get(key) for key in PEER_KEYS}
 
 
-class BenchSettings(Settings):
+class BenchSettings(DecodeSettings):
     """The bench's settings: the `bench:` section of a run config and the flags of `spectune bench`."""
 
     n: int = Field(30, ge=1, description="Prompts.")
     repeats: int = Field(3, ge=1, description="Interleaved timed runs per prompt and variant (medians).")
-    max_tokens: int = Field(64, ge=1, description="Longest answer.")
-    draft_max: int | Literal["auto"] = Field(
-        "auto", description="Draft length k; auto: each draft's recommended k from the acceptance stage."
-    )
-    draft_p_min: float = Field(0.0, ge=0, le=1, description="Stop drafting below this draft confidence.")
-    adaptive: bool = Field(False, description="Adapt k to the running acceptance.")
-    exact: bool = Field(True, description="Batched logits equal to one-token ones (identical greedy answers).")
     peer: bool = Field(False, description="Also run llama.cpp's own speculative decoder on each pair.")
     ngram_with: list[str] | None = Field(
         None, description="The drafts n-gram lookup goes in front of (default: every tuned one)."
     )
 
-    @field_validator("draft_max")
-    @classmethod
-    def _positive(cls, value: int | str) -> int | str:
-        if isinstance(value, int) and value < 0:
-            raise ValueError("draft_max must be >= 0 or auto")
-        return value
+    @model_validator(mode="after")
+    def _comparable(self) -> BenchSettings:
+        """What the bench compares must be comparable: answers identical to the target alone's (greedy), and
+        llama.cpp's tools decoding the same way (they take no stop strings nor a minimum length)."""
+        if self.temperature > 0:
+            raise ValueError("the bench checks answers identical to the target alone's: temperature must be 0")
+        if self.peer and (self.stop or self.min_tokens):
+            raise ValueError("peer: llama.cpp's tools take no stop strings nor min_tokens; leave them unset")
+        return self
 
 
 class BenchConfig(BenchSettings):
@@ -198,15 +193,8 @@ def bench(config: BenchConfig) -> dict[str, Any]:
         f"{verdict['build']}, exact = {config.exact}: identical answers "
         + ("guaranteed" if verdict["guaranteed"] else "NOT guaranteed: " + "; ".join(verdict["reasons"]))
     )
-    sampling = {
-        name: SamplingConfig(
-            max_tokens=config.max_tokens,
-            draft_max=draft_length(config, name),
-            draft_p_min=config.draft_p_min,
-            adaptive=config.adaptive,
-        )
-        for name in decoders
-    }
+    decode = DecodeSettings.model_validate(config.model_dump(include=set(DecodeSettings.model_fields)))
+    sampling = {name: decode.model_copy(update={"draft_max": draft_length(config, name)}) for name in decoders}
     peer = peer_runner(config, target) if config.peer else None
     with contextlib.ExitStack() as stack:
         baselines = {
@@ -248,7 +236,7 @@ def bench_prompt(
     messages: list[dict[str, str]],
     target: LlamaModel,
     decoders: dict[str, SpeculativeDecoder],
-    sampling: dict[str, SamplingConfig],
+    sampling: dict[str, DecodeSettings],
     peer: Callable[[str, str], PeerRun] | None,
     baselines: dict[str, Callable[[str, int], PeerRun]],
     config: BenchConfig,
@@ -281,7 +269,11 @@ class Timed:
 
 
 def timed_generate(
-    decoder: SpeculativeDecoder, ids: list[int], sampling: SamplingConfig, first_sentence_only: bool = False
+    decoder: SpeculativeDecoder,
+    ids: list[int],
+    sampling: DecodeSettings,
+    first_words: FirstWords = "draft",
+    first_sentence_only: bool = False,
 ) -> Timed:
     """A generation, and when its text first held a clause end (the whole answer if it never did); stopped there
     with `first_sentence_only`."""
@@ -294,28 +286,24 @@ def timed_generate(
                 first[0] = time.perf_counter() - start
         return not (first_sentence_only and first[0])
 
-    generation = decoder.generate(ids, sampling, on_text)
+    generation = decoder.generate(ids, sampling, on_text, first_words)
     return Timed(generation, first[0] or time.perf_counter() - start)
 
 
 def cold_first_words(
-    decoders: dict[str, SpeculativeDecoder], sampling: dict[str, SamplingConfig], ids: list[int], turn: int
+    decoders: dict[str, SpeculativeDecoder], sampling: dict[str, DecodeSettings], ids: list[int], turn: int
 ) -> dict[str, dict[str, float]]:
     """A new caller's first turn: time to first token and to first sentence with both caches empty (the prompt's
     prefill, and the draft's catch-up on it, included), each variant once; a draft also with its first clause
     decoded by the target alone, the catch-up after it. The order turns with `turn` (the prompt's index): with the
     target alone always first, its time to first token read 18.9 ms against 15.0 ms for the same first step with
     a draft (demo pair, 226 prompts), the first run after the timed rounds paying for it."""
-    runs = [(name, "cold_ttfs_ms", sampling[name]) for name in decoders]
-    runs += [
-        (name, "cold_ttfs_first_clause_alone_ms", dataclasses.replace(sampling[name], first_words="alone"))
-        for name in decoders
-        if name != TARGET
-    ]
+    runs: list[tuple[str, str, FirstWords]] = [(name, "cold_ttfs_ms", "draft") for name in decoders]
+    runs += [(name, "cold_ttfs_first_clause_alone_ms", "alone") for name in decoders if name != TARGET]
     figures: dict[str, dict[str, float]] = {}
-    for name, key, mode in runs[turn % len(runs) :] + runs[: turn % len(runs)]:
+    for name, key, first_words in runs[turn % len(runs) :] + runs[: turn % len(runs)]:
         decoders[name].forget()
-        timed = timed_generate(decoders[name], ids, mode, first_sentence_only=True)
+        timed = timed_generate(decoders[name], ids, sampling[name], first_words, first_sentence_only=True)
         if key == "cold_ttfs_ms":
             figures.setdefault(name, {})["cold_ttft_ms"] = 1000 * timed.generation.stats.ttft_seconds
         figures.setdefault(name, {})[key] = 1000 * timed.ttfs_seconds
@@ -324,7 +312,7 @@ def cold_first_words(
 
 def run_interleaved(
     decoders: dict[str, SpeculativeDecoder],
-    sampling: dict[str, SamplingConfig],
+    sampling: dict[str, DecodeSettings],
     ids: list[int],
     llama_runs: dict[tuple[str, str], Callable[[], PeerRun]],
     repeats: int,
@@ -421,11 +409,8 @@ def draft_length(config: BenchConfig, name: str) -> int:
     """k for this variant (0 for the target alone); `ngram+DRAFT` drafts as far as DRAFT does."""
     if name not in config.variants():
         return 0
-    if config.draft_max == "auto":  # an n-gram variant the meter did not measure drafts as far as its draft
-        return config.recommended_k.get(
-            name, config.recommended_k.get(name.removeprefix(f"{NGRAM}+"), DEFAULT_DRAFT_MAX)
-        )
-    return config.draft_max
+    # an n-gram variant the meter did not measure drafts as far as its draft
+    return config.with_k(config.recommended_k.get(name, config.recommended_k.get(name.removeprefix(f"{NGRAM}+")))).k
 
 
 def variant_profiles(config: BenchConfig) -> dict[str, dict[str, Any]]:

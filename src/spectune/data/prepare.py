@@ -12,9 +12,22 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from pydantic import Field
+
 from spectune.atomic import atomic_path
+from spectune.config import Settings
 from spectune.data.read import Dialogue, read_dialogues, write_jsonl
 from spectune.errors import SpectuneError
+
+
+class SplitSettings(Settings):
+    """Which dialogues are held out and how records are read: one definition for a run's `data:` section and for
+    every trainer's inputs."""
+
+    eval_data: Path | None = Field(None, description="Held-out dataset (default: a seeded split of the data).")
+    eval_fraction: float = Field(0.1, ge=0.0, lt=1.0, description="Share held out when no eval data is given.")
+    system: str | None = Field(None, description="System prompt to prepend where a record has none.")
+    seed: int = Field(0, description="Seed of the split (and of training: initialisation and order).")
 
 
 @dataclass
@@ -47,7 +60,7 @@ def split_dialogues(
     eval_fraction: float = 0.1,
     seed: int = 0,
     remove_duplicates: bool = True,
-    max_tokens: int | None = None,
+    max_seq_length: int | None = None,
     count_tokens: Callable[[Dialogue], int] | None = None,
 ) -> Split:
     """Deterministic train/eval split by `seed`, after dedup and the optional max-token filter."""
@@ -59,13 +72,13 @@ def split_dialogues(
         items, removed = dedup(items)
         if removed:
             dropped["exact duplicate"] = removed
-    if max_tokens is not None:
+    if max_seq_length is not None:
         if count_tokens is None:
             raise SpectuneError("a max-token filter needs a tokenizer")
         before = len(items)
-        items = [d for d in items if count_tokens(d) <= max_tokens]
+        items = [d for d in items if count_tokens(d) <= max_seq_length]
         if before - len(items):
-            dropped[f"longer than {max_tokens} tokens"] = before - len(items)
+            dropped[f"longer than {max_seq_length} tokens"] = before - len(items)
     ordered = sorted(items, key=lambda d: _rank(d, seed))
     n_eval = round(len(ordered) * eval_fraction)
     if eval_fraction > 0 and n_eval == 0 and len(ordered) > 1:

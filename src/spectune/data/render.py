@@ -79,14 +79,14 @@ def render(tokenizer: Any, messages: Sequence[dict[str, str]]) -> Rendered:
     return Rendered(list(encoded["input_ids"]), mask)
 
 
-def truncate_on_turns(rendered: Rendered, max_tokens: int) -> tuple[Rendered | None, int]:
-    """Cut after the last assistant turn that fits in `max_tokens`; returns (kept or None, turns cut)."""
-    if len(rendered.input_ids) <= max_tokens:
+def truncate_on_turns(rendered: Rendered, max_seq_length: int) -> tuple[Rendered | None, int]:
+    """Cut after the last assistant turn that fits in `max_seq_length`; returns (kept or None, turns cut)."""
+    if len(rendered.input_ids) <= max_seq_length:
         return rendered, 0
     mask = rendered.assistant_mask
     # An assistant turn ends where the mask falls from 1 to 0 (or at the end of the sequence).
     ends = [i + 1 for i in range(len(mask)) if mask[i] and (i + 1 == len(mask) or not mask[i + 1])]
-    fitting = [end for end in ends if end <= max_tokens]
+    fitting = [end for end in ends if end <= max_seq_length]
     if not fitting:
         return None, len(ends)
     cut = fitting[-1]
@@ -94,16 +94,16 @@ def truncate_on_turns(rendered: Rendered, max_tokens: int) -> tuple[Rendered | N
 
 
 def render_all(
-    tokenizer: Any, dialogues: Sequence[Sequence[dict[str, str]]], max_tokens: int | None = None
+    tokenizer: Any, dialogues: Sequence[Sequence[dict[str, str]]], max_seq_length: int | None = None
 ) -> tuple[list[Rendered], RenderStats]:
     """Render many dialogues, truncating on turn boundaries; every cut and drop is counted."""
     stats = RenderStats(dialogues=len(dialogues))
     kept = []
     for messages in dialogues:
         rendered: Rendered | None = render(tokenizer, messages)
-        if max_tokens is not None:
+        if max_seq_length is not None:
             full_length = len(rendered.input_ids)
-            rendered, cut = truncate_on_turns(rendered, max_tokens)
+            rendered, cut = truncate_on_turns(rendered, max_seq_length)
             stats.turns_cut += cut
             if rendered is None:
                 stats.dropped["first assistant turn longer than max tokens"] += 1

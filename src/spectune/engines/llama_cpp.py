@@ -17,7 +17,7 @@ from pathlib import Path
 from spectune.atomic import atomic_path
 from spectune.cache import cache_root
 from spectune.errors import SpectuneError
-from spectune.export.converter import fetch_sdist, llama_cpp_version
+from spectune.llama_cpp_pin import fetch_sdist, llama_cpp_version
 from spectune.runtime.build import llamafile_compiled
 
 SPECULATIVE_TOOL, SERVER = "llama-speculative-simple", "llama-server"

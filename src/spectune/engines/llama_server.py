@@ -21,6 +21,7 @@ from typing import IO
 
 from spectune.engines.llama_cpp import defaults_env
 from spectune.errors import SpectuneError
+from spectune.runtime.decode import DecodeSettings
 
 READY_POLL_SECONDS = 0.2
 STOP_SECONDS = 10.0
@@ -39,40 +40,44 @@ def server_command(
     binary: str | Path,
     target: Path,
     draft: Path | None,
-    draft_max: int,
+    decode: DecodeSettings,
     threads: int,
     *,
     host: str = "127.0.0.1",
     port: int = 8080,
     n_ctx: int = 4096,
     slots: int = 1,
-    exact: bool = True,
     model_name: str = "spectune",
     ngram_n: int = 0,
 ) -> list[str]:
-    """`llama-server` serving `target` (with `draft` and/or n-gram lookup speculating, see speculation_flags).
-    The API key is not here: it goes through LLAMA_API_KEY, out of `ps`."""
+    """`llama-server` serving `target` (with `draft` and/or n-gram lookup speculating, see speculation_flags), a
+    request's defaults from `decode`. The API key is not here: it goes through LLAMA_API_KEY, out of `ps`."""
     command = [str(binary), "-m", str(target), "-a", model_name, "--host", host, "--port", str(port)]
     # -c is shared by the slots: each gets n_ctx as in spectune's own server.
     command += ["-c", str(n_ctx * slots), "-np", str(slots), "-t", str(threads), "-tb", str(threads)]
     command += ["--jinja", "--metrics", "--no-webui"]
-    command += speculation_flags(draft, draft_max, threads, ngram_n)
-    if exact:
+    command += speculation_flags(draft, decode.k, threads, ngram_n, decode.draft_p_min)
+    command += ["-n", str(decode.max_tokens), "--temp", str(decode.temperature), "--top-k", str(decode.top_k)]
+    command += ["--top-p", str(decode.top_p)] + (["-s", str(decode.seed)] if decode.seed is not None else [])
+    command += ["--ignore-eos"] if decode.ignore_eos else []
+    if decode.exact:
         command += ["--no-repack", "-fa", "off"]
     return command
 
 
-def speculation_flags(draft: Path | None, draft_max: int, threads: int, ngram_n: int = 0) -> list[str]:
+def speculation_flags(
+    draft: Path | None, draft_max: int, threads: int, ngram_n: int = 0, p_min: float = 0.0
+) -> list[str]:
     """llama.cpp's flags for speculating as spectune's loop does: `draft` proposing up to `draft_max` tokens,
-    greedy and unconditional, and where `ngram_n` > 0 its ngram-simple in front (the context's continuation after
-    its last `ngram_n` tokens; its default n-gram of 12 tokens is sized for code). Shared by llama-server and
-    llama-speculative-simple."""
+    greedy, stopping below `p_min` confidence (0: never early), and where `ngram_n` > 0 its ngram-simple in front
+    (the context's continuation after its last `ngram_n` tokens; its default n-gram of 12 tokens is sized for
+    code). Shared by llama-server and llama-speculative-simple."""
     spec_types = ["ngram-simple"] * bool(ngram_n) + ["draft-simple"] * (draft is not None)
     flags = ["--spec-type", ",".join(spec_types), "--spec-draft-n-max", str(draft_max)] if spec_types else []
     if ngram_n:
         flags += ["--spec-ngram-simple-size-n", str(ngram_n), "--spec-ngram-simple-size-m", str(draft_max)]
     if draft is not None:
-        flags += ["-md", str(draft), "--spec-draft-n-min", "0", "--spec-draft-p-min", "0.0"]
+        flags += ["-md", str(draft), "--spec-draft-n-min", "0", "--spec-draft-p-min", str(p_min)]
         flags += ["-td", str(threads), "-tbd", str(threads)]
     return flags
 

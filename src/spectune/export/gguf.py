@@ -14,6 +14,7 @@ from pathlib import Path
 from spectune.atomic import atomic_path, scratch_path
 from spectune.errors import SpectuneError
 from spectune.export.converter import run_converter
+from spectune.layout import DEFAULT_QUANT
 from spectune.runtime.llama import init_backend
 from spectune.threads import thread_count
 
@@ -22,7 +23,6 @@ CONVERTER_TYPES = {"F32": "f32", "F16": "f16", "BF16": "bf16", "Q8_0": "q8_0"}
 # llama_ftype values of libllama (include/llama.h) for what quantization produces.
 QUANT_FTYPES = {"F32": 0, "F16": 1, "Q4_0": 2, "Q8_0": 7, "Q4_K_S": 14, "Q4_K_M": 15, "Q5_K_M": 17, "Q6_K": 18}
 QUANT_TYPES = sorted(set(QUANT_FTYPES) | set(CONVERTER_TYPES))
-DEFAULT_QUANT = "Q4_K_M"
 
 
 def check_quant(quant: str) -> str:

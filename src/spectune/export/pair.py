@@ -18,11 +18,13 @@ from spectune.data.read import read_dialogues
 from spectune.engines.llama_cpp import SERVER
 from spectune.engines.llama_server import server_command
 from spectune.errors import SpectuneError
-from spectune.export.gguf import DEFAULT_QUANT, QUANT_TYPES, check_quant, export_model
+from spectune.export.gguf import QUANT_TYPES, check_quant, export_model
 from spectune.export.llama_flags import check_command
-from spectune.layout import CHOSEN_PAIR, CONTROL_DRAFT, EXPORT_REPORT, SERVER_SCRIPT, TARGET, gguf_name
-from spectune.models.load import check_model_dir, load_tokenizer
+from spectune.layout import CHOSEN_PAIR, CONTROL_DRAFT, DEFAULT_QUANT, EXPORT_REPORT, SERVER_SCRIPT, TARGET, gguf_name
+from spectune.models.load import load_tokenizer
+from spectune.models.resolve import MODEL_REFERENCE, resolve_model
 from spectune.models.tokenizer_check import check_template, check_tokenizer
+from spectune.runtime.decode import DecodeSettings
 from spectune.runtime.llama import LlamaModel
 from spectune.runtime.ngram import NGRAM
 from spectune.runtime.pair import check_pair
@@ -85,8 +87,8 @@ class ExportSettings(Settings):
 class ExportPairConfig(ExportSettings):
     """Everything `spectune export-pair` takes."""
 
-    target: Path = Field(description="The merged target folder.")
-    drafts: dict[str, Path] = Field(description="Draft folders by name.")
+    target: Path = Field(description=f"The merged target: {MODEL_REFERENCE}.")
+    drafts: dict[str, Path] = Field(description=f"Drafts by name, each {MODEL_REFERENCE}.")
     out: Path = Field(description="Output folder: the GGUFs, export.json, pair.json, llama-server.sh.")
     data: Path | None = Field(None, description="Held-out dialogues for the fidelity report.")
     acceptance: Path | None = Field(
@@ -116,7 +118,6 @@ def export_checked(
 ) -> dict:
     """Export one model, check llama.cpp tokenizes like HF (stress strings and the held-out `conversations`) and
     that the GGUF's chat template renders their prompts as HF's does, measure fidelity on the first `fidelity_n`."""
-    check_model_dir(folder)
     export_model(folder, out_file, quant, keep_f16=keep_f16)
     tokenizer = load_tokenizer(folder)
     texts = [tokenizer.apply_chat_template(messages, tokenize=False) for messages in conversations]
@@ -143,6 +144,8 @@ def export_pair(config: ExportPairConfig) -> dict[str, Any]:
     """Export the target and its drafts, check each pair and the tokenizer, report fidelity; write the pair to
     serve (pair.json) and llama.cpp's server command for it (llama-server.sh)."""
     quant = check_quant(config.quant)
+    drafts = {name: resolve_model(path) for name, path in config.drafts.items()}
+    config = config.model_copy(update={"target": resolve_model(config.target), "drafts": drafts})
     conversations = held_out(config.data, max(TOKENIZER_DIALOGUES, config.fidelity_dialogues))
     fidelity_n = config.fidelity_dialogues
     target_file = config.out / gguf_name(TARGET, quant)
@@ -189,7 +192,7 @@ def write_pair(config: ExportPairConfig, acceptance: dict[str, Any] | None) -> d
         SERVER,
         Path(target_file.name),
         Path(draft_file.name),
-        k,
+        DecodeSettings(draft_max=k),
         thread_count(config.threads),
         port=8080,
         ngram_n=ngram["min_n"] if ngram else 0,

@@ -5,7 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from spectune.export.gguf import DEFAULT_QUANT, export_model
+from spectune.export.gguf import export_model
+from spectune.layout import DEFAULT_QUANT
 from spectune.models.world import read_manifest, write_manifest
 from spectune.runtime.profile import measure_profile
 

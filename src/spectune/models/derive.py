@@ -10,7 +10,8 @@ from pathlib import Path
 
 from spectune.atomic import atomic_path
 from spectune.errors import SpectuneError
-from spectune.models.load import check_model_dir, load_tokenizer, save_tokenizer
+from spectune.models.load import load_tokenizer, save_tokenizer
+from spectune.models.resolve import resolve_model
 
 
 def derive_draft(target_dir: Path, layers: list[int], out: Path) -> Path:
@@ -18,7 +19,7 @@ def derive_draft(target_dir: Path, layers: list[int], out: Path) -> Path:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    check_model_dir(target_dir)
+    target_dir = resolve_model(target_dir)
     config = AutoConfig.from_pretrained(str(target_dir), local_files_only=True)
     text = config.get_text_config()
     total = text.num_hidden_layers

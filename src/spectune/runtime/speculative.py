@@ -25,33 +25,17 @@ import numpy as np
 
 from spectune.errors import SpectuneError
 from spectune.runtime.chat import CLAUSE_END
+from spectune.runtime.decode import DecodeSettings
 from spectune.runtime.llama import LlamaModel
 from spectune.runtime.ngram import NgramDrafter
 from spectune.runtime.pair import check_pair
-from spectune.speedup import DEFAULT_DRAFT_MAX
 
 # How the first clause is decoded: with the draft from the second token on, by the target alone (the draft reads the
 # new turn after it), or whichever the decoder's own measurements say comes sooner.
 FirstWords = Literal["auto", "draft", "alone"]
 
 
-@dataclass
-class SamplingConfig:
-    max_tokens: int = 128
-    temperature: float = 0.0  # 0: greedy
-    top_k: int = 0  # 0: off
-    top_p: float = 1.0
-    seed: int = 0
-    stop: list[str] = field(default_factory=list)
-    draft_max: int = DEFAULT_DRAFT_MAX  # k; 0 disables drafting
-    draft_p_min: float = 0.0  # stop drafting when the draft's top probability falls below this
-    adaptive: bool = False  # grow k after a fully accepted step, shrink it after an early rejection
-    min_tokens: int = 0  # no end token before this many tokens (vLLM's min_tokens)
-    ignore_eos: bool = False  # no end token at all: the answer runs to max_tokens (vLLM's ignore_eos)
-    first_words: FirstWords = "draft"  # the server's default is "auto"
-
-
-def probabilities(logits: np.ndarray, config: SamplingConfig) -> np.ndarray:
+def probabilities(logits: np.ndarray, config: DecodeSettings) -> np.ndarray:
     """Softmax at the temperature after top-k and top-p, applied identically to target and draft."""
     # Shift before scaling: a tiny temperature then gives a one-hot distribution, never inf - inf = nan.
     with np.errstate(over="ignore"):  # -x / tiny = -inf: probability 0, as it should be
@@ -102,7 +86,7 @@ class GreedySampler:
 
 
 class StochasticSampler:
-    def __init__(self, config: SamplingConfig, rng: np.random.Generator) -> None:
+    def __init__(self, config: DecodeSettings, rng: np.random.Generator) -> None:
         self.config, self.rng = config, rng
 
     def draft_token(self, logits: np.ndarray) -> tuple[int, float, np.ndarray | None]:
@@ -128,7 +112,7 @@ class StochasticSampler:
         return len(drafts), int(self.rng.choice(p.size, p=p))
 
 
-def make_sampler(config: SamplingConfig) -> Sampler:
+def make_sampler(config: DecodeSettings) -> Sampler:
     if config.temperature > 0:
         return StochasticSampler(config, np.random.default_rng(config.seed))
     return GreedySampler(with_confidence=config.draft_p_min > 0)
@@ -447,13 +431,13 @@ class SpeculativeDecoder:
         stats.prefill_seconds = time.perf_counter() - start
         return True
 
-    def _first_clause_alone(self, prompt: list[int], config: SamplingConfig) -> bool:
-        if self.drafter is None or config.draft_max == 0 or config.first_words == "draft":
+    def _first_clause_alone(self, prompt: list[int], config: DecodeSettings, first_words: FirstWords) -> bool:
+        if self.drafter is None or config.k == 0 or first_words == "draft":
             return False
-        return config.first_words == "alone" or not self.pace.draft_first_clause(self.drafter.behind(prompt))
+        return first_words == "alone" or not self.pace.draft_first_clause(self.drafter.behind(prompt))
 
     def _step(
-        self, sequence: list[int], produced: int, k: int, config: SamplingConfig, sampler: Sampler, draft: bool
+        self, sequence: list[int], produced: int, k: int, config: DecodeSettings, sampler: Sampler, draft: bool
     ) -> tuple[Step, int]:
         """One step and the k it asked for; the target alone where `draft` is False."""
         room = self.target.n_ctx - len(sequence)  # positions left after the last token, for the proposals
@@ -467,7 +451,11 @@ class SpeculativeDecoder:
         return step, step_k
 
     def generate(
-        self, prompt: list[int], config: SamplingConfig, on_text: Callable[[str], bool] | None = None
+        self,
+        prompt: list[int],
+        config: DecodeSettings,
+        on_text: Callable[[str], bool] | None = None,
+        first_words: FirstWords = "draft",
     ) -> Generation:
         """Generate after `prompt`. `on_text` gets the final text after every step (possibly empty); returning
         False stops the generation (finish reason "cancelled"). Neither model can be freed while it runs, not even
@@ -475,9 +463,15 @@ class SpeculativeDecoder:
         draft_model = self.drafter.model if self.drafter else None
         draft_busy = draft_model.busy if draft_model else contextlib.nullcontext()
         with self.target.busy, draft_busy:
-            return self._generate(prompt, config, on_text)
+            return self._generate(prompt, config, on_text, first_words)
 
-    def _generate(self, prompt: list[int], config: SamplingConfig, on_text: Callable[[str], bool] | None) -> Generation:
+    def _generate(
+        self,
+        prompt: list[int],
+        config: DecodeSettings,
+        on_text: Callable[[str], bool] | None,
+        first_words: FirstWords,
+    ) -> Generation:
         begin = time.perf_counter()
         stats = self.progress = Stats()
         if not self._prefill(prompt, stats, lambda: on_text is None or on_text("") is not False):
@@ -487,8 +481,8 @@ class SpeculativeDecoder:
         stream = TextStream(self.target, config.stop)
         sequence = list(prompt)  # every token so far; the last one is not yet in the target's cache
         output: list[int] = []
-        k = config.draft_max
-        alone_until_clause = self._first_clause_alone(prompt, config)
+        k = config.k
+        alone_until_clause = self._first_clause_alone(prompt, config, first_words)
         unsent = ""  # final text not yet handed to on_text
         while len(output) < config.max_tokens and len(sequence) < self.target.n_ctx:
             # The first token never waits for the draft; the first clause neither, where it comes sooner alone.
@@ -500,7 +494,7 @@ class SpeculativeDecoder:
             ended = next((i for i, token in enumerate(step.tokens) if self.target.is_end(token)), None)
             stats.record(step, ended, step_k)
             if config.adaptive and step.drafts:
-                k = min(config.draft_max, k + 1) if step.accepted == len(step.drafts) else max(1, step.accepted + 1)
+                k = min(config.k, k + 1) if step.accepted == len(step.drafts) else max(1, step.accepted + 1)
             new = step.tokens[:ended][: config.max_tokens - len(output)]
             output += new
             sequence += new

@@ -14,7 +14,6 @@ import contextlib
 import hmac
 import json
 import logging
-import secrets
 import threading
 import time
 import uuid
@@ -29,18 +28,17 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from pydantic import Field, ValidationError, model_validator
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from spectune.config import Settings
 from spectune.data.read import assistant_turns
 from spectune.engines.llama_server import free_port
 from spectune.errors import SpectuneError
 from spectune.layout import RunLayout
 from spectune.runtime.build import identity_verdict
 from spectune.runtime.chat import CLAUSE_END, chat_tokens
+from spectune.runtime.decode import DecodeSettings
 from spectune.runtime.llama import LlamaModel
 from spectune.runtime.ngram import NgramDrafter, NgramSettings, NgramTable, domain_of_texts
-from spectune.runtime.speculative import FirstWords, Generation, SamplingConfig, SpeculativeDecoder, Stats
+from spectune.runtime.speculative import FirstWords, Generation, SpeculativeDecoder, Stats
 from spectune.serve.schema import ChatRequest, lone_surrogate, unsupported_parameter
-from spectune.speedup import DEFAULT_DRAFT_MAX
 
 # What llama-server has no equivalent for (its request size, queue, time and connection limits are its own).
 SPECTUNE_ONLY = {
@@ -53,12 +51,16 @@ SPECTUNE_ONLY = {
     "keep_alive",
     "first_words",
     "ngram_data",  # llama-server's n-gram speculator reads the conversation only
+    "stop",  # a request's own stop strings reach llama-server; it has no server-wide default
+    "min_tokens",
+    "adaptive",
 }
 log = logging.getLogger("spectune.serve")
 
 
-class ServeConfig(Settings):
-    """Everything `spectune serve` takes."""
+class ServeConfig(DecodeSettings):
+    """Everything `spectune serve` takes; the decoding settings are the defaults of a request that names none
+    (as llama-server's -n, --temp, --top-k, ...)."""
 
     engine: Literal["spectune", "llama.cpp"] = Field(
         "spectune", description="spectune's own server, or llama.cpp's llama-server on the same pair and settings."
@@ -69,7 +71,6 @@ class ServeConfig(Settings):
     target: Path | None = Field(None, description="Target GGUF (or --run).")
     draft: Path | None = Field(None, description="Draft GGUF: speculative decoding (or --run).")
     run: Path | None = Field(None, description="A finished `spectune run` folder: serve its chosen pair and k.")
-    draft_max: int | None = Field(None, ge=0, description="Draft length k (default: the run's recommended k, else 8).")
     host: str = Field("127.0.0.1", description="Bind address (loopback by default).")
     port: int = Field(8000, ge=0, le=65535, description="Port.")
     slots: int = Field(1, ge=1, description="Concurrent generations (each its own contexts).")
@@ -77,7 +78,6 @@ class ServeConfig(Settings):
     queue_timeout: float = Field(30.0, gt=0, description="Seconds a request may wait for a slot, then 503.")
     api_key: str | None = Field(None, min_length=1, description="Require this bearer token (also $SPECTUNE_API_KEY).")
     threads: int | None = Field(None, ge=1, description="Threads for llama.cpp (default: $SPECTUNE_THREADS or all).")
-    exact: bool = Field(True, description="Batched logits equal to one-token ones (identical greedy answers).")
     max_request_bytes: int = Field(1 << 20, ge=1024, description="Largest request body (413 past it).")
     max_seconds: float = Field(120.0, gt=0, description="Longest a generation may run (then finish_reason length).")
     model_name: str = Field("spectune", description="The model id the API reports.")
@@ -109,7 +109,7 @@ class ServeConfig(Settings):
             chosen = RunLayout(self.run).read_chosen_pair()
             self.target = self.target or Path(chosen["target"])
             self.draft = self.draft or Path(chosen["draft"])
-            self.draft_max = chosen["k"] if self.draft_max is None else self.draft_max
+            self.draft_max = chosen["k"] if self.draft_max == "auto" else self.draft_max
             if "ngram" not in self.model_fields_set and chosen.get("ngram") is not None:
                 self.ngram = NgramSettings.model_validate(chosen["ngram"])
                 # llama-server's n-gram speculator reads the conversation only
@@ -117,8 +117,7 @@ class ServeConfig(Settings):
                 self.ngram_data = Path(chosen["ngram_data"]) if use_data else self.ngram_data
         if self.target is None:
             raise ValueError("give --target (and --draft), or --run RUN_DIR")
-        if self.draft_max is None:
-            self.draft_max = DEFAULT_DRAFT_MAX
+        self.draft_max = self.k
         return self
 
 
@@ -205,6 +204,7 @@ class Server:
 
     def __init__(self, config: ServeConfig) -> None:
         self.config = config
+        self.decode_defaults = config.model_dump(include=set(DecodeSettings.model_fields))
         self.registry = CollectorRegistry()
         self.metrics = make_metrics(self.registry)
         self.slots: asyncio.Queue[Slot] = asyncio.Queue()
@@ -314,20 +314,11 @@ class Server:
         self.busy_since = None
         self.slots.put_nowait(slot)
 
-    def sampling(self, chat: ChatRequest, room: int) -> SamplingConfig:
-        wanted = chat.length_wanted() or room - 1
-        seed = chat.seed if chat.seed is not None else secrets.randbits(63)  # unseeded sampling varies
-        return SamplingConfig(
-            max_tokens=min(wanted, room - 1),
-            temperature=chat.temperature,
-            top_p=chat.top_p,
-            seed=seed,
-            draft_max=self.config.draft_max or 0,
-            stop=chat.stop,
-            min_tokens=chat.min_tokens,
-            ignore_eos=chat.ignore_eos,
-            first_words=self.config.first_words,
-        )
+    def sampling(self, chat: ChatRequest, room: int) -> DecodeSettings:
+        """The server's decoding settings with what the request names on top, its answer cut to the room left."""
+        wanted = chat.decode_settings()
+        length = min(wanted.get("max_tokens", self.config.max_tokens), room - 1)
+        return DecodeSettings.model_validate(self.decode_defaults | wanted | {"max_tokens": length})
 
     async def start(self, slot: Slot, chat: ChatRequest, arrived: float) -> Job | JSONResponse:
         """Tokenize the conversation in the slot and start its generation (or say why not). Whatever fails before
@@ -342,9 +333,7 @@ class Server:
                 message = f"the conversation is {len(prompt)} tokens; the context holds {slot.target.n_ctx}"
                 return self.fail(413, message, "context_length_exceeded", "messages")
             slot.serve(chat.user, self.config.reuse_prefix)
-            job = Job(
-                slot, prompt, self.sampling(chat, room), asyncio.get_running_loop(), self.config.max_seconds, arrived
-            )
+            job = Job(slot, prompt, self.sampling(chat, room), asyncio.get_running_loop(), self.config, arrived)
         except SpectuneError as exc:
             self.release(slot)
             return self.fail(400, str(exc), "invalid_request_error", "messages")
@@ -588,14 +577,15 @@ class Job:
         self,
         slot: Slot,
         prompt: list[int],
-        sampling: SamplingConfig,
+        sampling: DecodeSettings,
         loop: asyncio.AbstractEventLoop,
-        max_seconds: float,
+        config: ServeConfig,
         arrived: float,
     ) -> None:
         self.id = f"chatcmpl-{uuid.uuid4().hex[:24]}"
         self.slot, self.prompt, self.sampling, self.loop = slot, prompt, sampling, loop
-        self.deadline = time.monotonic() + max_seconds
+        self.first_words: FirstWords = config.first_words
+        self.deadline = time.monotonic() + config.max_seconds
         self.arrived = arrived  # when the request came (perf_counter): the caller's time to first token runs from it
         self.started = time.perf_counter()  # the generation's start, set again when its thread begins
         self.timed_out = False
@@ -626,7 +616,7 @@ class Job:
 
         self.started = time.perf_counter()
         try:
-            result = self.slot.decoder.generate(self.prompt, self.sampling, on_text)
+            result = self.slot.decoder.generate(self.prompt, self.sampling, on_text, self.first_words)
         except Exception as exc:  # surfaces in the request that waits for it
             self._call(self._finish, None, exc)
         else:

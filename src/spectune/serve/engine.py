@@ -19,18 +19,17 @@ READY_SECONDS = 300.0  # a 12B GGUF takes a while to map on a cold disk
 
 def start_llama_server(config: ServeConfig, log: IO[str] | None = None, ready: float = READY_SECONDS) -> LlamaServer:
     """llama-server on the config's pair, ready to answer (its /health is 200)."""
-    assert config.target is not None and config.draft_max is not None  # ServeConfig's validator sees to both
+    assert config.target is not None  # ServeConfig's validator sees to it
     command = server_command(
         config.llama_server or built_tool(SERVER),
         config.target,
         config.draft,
-        config.draft_max,
+        config,
         thread_count(config.threads),
         host=config.host,
         port=config.port,
         n_ctx=config.n_ctx,
         slots=config.slots,
-        exact=config.exact,
         model_name=config.model_name,
         ngram_n=config.ngram.min_n if config.ngram else 0,
     )

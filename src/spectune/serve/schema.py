@@ -100,27 +100,31 @@ class ChatRequest(BaseModel):
     model: str | None = None
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
-    temperature: float = Field(0.0, ge=0.0, le=2.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    stop: list[str] = Field(default_factory=list)  # OpenAI also takes one string, or null
+    # Unset: the server's own setting (`spectune serve --temperature ...`, greedy by default).
+    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    top_k: int | None = Field(None, ge=0)  # vLLM's extension
+    stop: list[str] | None = None  # OpenAI also takes one string
     seed: int | None = Field(None, ge=0, lt=2**63)
     stream: bool = False
     stream_options: StreamOptions | None = None
     chunking: Literal["token", "sentence"] = "token"
     user: str | None = None  # the caller: a slot reuses a cached prompt only for the same caller
     # vLLM's extensions that benchmark clients (GuideLLM, AIPerf) send to pin the answer's length.
-    min_tokens: int = Field(0, ge=0)
-    ignore_eos: bool = False
+    min_tokens: int | None = Field(None, ge=0)
+    ignore_eos: bool | None = None
 
     @field_validator("temperature")
     @classmethod
-    def _greedy_below(cls, value: float) -> float:
-        return 0.0 if value < 1e-4 else value  # a vanishing temperature is greedy decoding
+    def _greedy_below(cls, value: float | None) -> float | None:
+        return 0.0 if value is not None and value < 1e-4 else value  # a vanishing temperature is greedy decoding
 
     @field_validator("stop", mode="before")
     @classmethod
     def _few_short_stops(cls, value: Any) -> Any:
-        stops = [value] if isinstance(value, str) else [] if value is None else value
+        stops = [value] if isinstance(value, str) else value
+        if stops is None:
+            return None
         if not isinstance(stops, list):
             return stops  # pydantic says what is wrong with it
         if len(stops) > MAX_STOPS:
@@ -138,5 +142,16 @@ class ChatRequest(BaseModel):
                 raise ValueError(f"message {index} ({message.role}) has empty content")
         return messages
 
-    def length_wanted(self) -> int | None:
-        return self.max_completion_tokens or self.max_tokens
+    def decode_settings(self) -> dict[str, Any]:
+        """The decoding settings this request names (what it leaves unset is the server's)."""
+        named = {
+            "max_tokens": self.max_completion_tokens or self.max_tokens,
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "top_k": self.top_k,
+            "stop": self.stop,
+            "seed": self.seed,
+            "min_tokens": self.min_tokens,
+            "ignore_eos": self.ignore_eos,
+        }
+        return {key: value for key, value in named.items() if value is not None}

@@ -26,7 +26,9 @@ from spectune.data.prepare import read_prompts
 from spectune.data.read import assistant_turns
 from spectune.errors import SpectuneError
 from spectune.layout import TARGET
-from spectune.models.load import check_model_dir, load_tokenizer
+from spectune.models.load import load_tokenizer
+from spectune.models.resolve import MODEL_REFERENCE, resolve_model
+from spectune.runtime.decode import DEFAULT_MAX_TOKENS
 from spectune.runtime.ngram import NGRAM, NgramDrafter, NgramSettings, NgramTable, domain_of_texts
 from spectune.runtime.profile import gguf_weights
 from spectune.speedup import (
@@ -41,7 +43,6 @@ from spectune.speedup import (
 from spectune.threads import configure_torch_threads
 from spectune.train.common import greedy_answer
 
-MAX_K = MAX_DRAFT_LEN
 HERE = "here"  # the key of a profile measured on this machine
 
 
@@ -49,15 +50,15 @@ class AcceptanceSettings(Settings):
     """The offline meter's settings: the `acceptance:` section of a run config and flags of `spectune acceptance`."""
 
     n: int = Field(30, ge=1, description="Held-out prompts the target answers.")
-    max_new_tokens: int = Field(64, ge=1, description="Longest target answer.")
+    max_tokens: int = Field(DEFAULT_MAX_TOKENS, ge=1, description="Longest target answer.")
     temperature: float = Field(0.0, ge=0.0, description="Also measure sampling acceptance at this temperature.")
 
 
 class AcceptanceConfig(AcceptanceSettings):
     """Everything `spectune acceptance` takes."""
 
-    target: Path = Field(description="The (fine-tuned, merged) target folder.")
-    drafts: dict[str, Path] = Field(description="Draft folders by name.")
+    target: Path = Field(description=f"The (fine-tuned, merged) target: {MODEL_REFERENCE}.")
+    drafts: dict[str, Path] = Field(description=f"Drafts by name, each {MODEL_REFERENCE}.")
     data: Path = Field(description="Held-out prompts: a chat dataset or a `data prompts` file.")
     profile: Path | None = Field(
         None, description="Measured profile JSON (cost_ratio, verify_ratio): a pair manifest or a bench report."
@@ -91,8 +92,10 @@ class DraftAcceptance:
     name: str
     alpha: float
     tokens: int
-    run_lengths: dict[int, int]  # accepted run length (capped at MAX_K) -> count of verify steps, at k = MAX_K
-    alpha_by_position: dict[int, float]  # draft position -> acceptance given the ones before accepted, at k = MAX_K
+    # at k = MAX_DRAFT_LEN: accepted run length -> count of verify steps; draft position -> acceptance given the
+    # ones before it were accepted
+    run_lengths: dict[int, int]
+    alpha_by_position: dict[int, float]
     tau_simulated: dict[int, float]
     tau_formula: dict[int, float]
     cost_ratio: dict[str, float]  # profile key -> c
@@ -222,14 +225,14 @@ def draft_matches(
 
 
 def lookup_of(drafter: NgramDrafter, answered: list[tuple[list, list]], is_end: Callable[[int], bool]) -> Lookup:
-    """What n-gram lookup proposes at each position of the target's answers (up to MAX_K tokens; a proposal at a
+    """What n-gram lookup proposes at each position of the target's answers (up to MAX_DRAFT_LEN tokens; a proposal at a
     smaller k is its prefix), as match flags; computed once per position."""
     proposals: dict[tuple[int, int], list[bool] | None] = {}
 
     def flags(index: int, position: int) -> list[bool] | None:
         if (index, position) not in proposals:
             prompt, answer = answered[index]
-            tokens = drafter.propose(prompt + answer[:position], MAX_K, is_end).tokens
+            tokens = drafter.propose(prompt + answer[:position], MAX_DRAFT_LEN, is_end).tokens
             expected = answer[position:]
             proposals[index, position] = [i < len(expected) and t == expected[i] for i, t in enumerate(tokens)] or None
         return proposals[index, position]
@@ -247,13 +250,13 @@ def acceptance_row(
 ) -> DraftAcceptance:
     """A draft's (or n-gram variant's) figures from its replays at every k. A looked-up token costs nothing: the
     draft model's c is paid on its share of the drafted tokens."""
-    replays = {k: simulate_tau(matches, k, lookup, model) for k in range(1, MAX_K + 1)}
+    replays = {k: simulate_tau(matches, k, lookup, model) for k in range(1, MAX_DRAFT_LEN + 1)}
     tau_sim = {k: replay.tau for k, replay in replays.items()}
-    deepest = replays[MAX_K]
+    deepest = replays[MAX_DRAFT_LEN]
     if lookup is None:
         flat = [m for sequence in matches for m in sequence]
         alpha = sum(flat) / len(flat) if flat else 0.0
-        tokens, tau_formula = len(flat), {k: expected_tokens(alpha, k) for k in range(1, MAX_K + 1)}
+        tokens, tau_formula = len(flat), {k: expected_tokens(alpha, k) for k in range(1, MAX_DRAFT_LEN + 1)}
     else:  # the lookup's proposals are not one per position: α is the share of drafted tokens accepted
         alpha = sum(deepest.accepted) / deepest.drafted if deepest.drafted else 0.0
         tokens, tau_formula = deepest.drafted, {}
@@ -290,13 +293,13 @@ def measure(
     tokenizer: Any,
     prompts: list,
     profiles: dict[str, list[Profile]],
-    max_new_tokens: int = 64,
+    max_tokens: int,
     temperature: float = 0.0,
     ngram: tuple[NgramSettings, NgramTable] | None = None,
 ) -> list[DraftAcceptance]:
     """Acceptance of every draft against the target's own greedy answers to `prompts` (`profiles`: each draft's);
     with `ngram` (its settings and domain table), of lookup alone (`ngram`) and in front of each draft."""
-    pairs = target_continuations(target, tokenizer, prompts, max_new_tokens)
+    pairs = target_continuations(target, tokenizer, prompts, max_tokens)
     target_logits = [teacher_forced(target, p, a) for p, a in pairs] if temperature > 0 else []
     results, all_matches = [], {}
     for name, draft in drafts.items():
@@ -325,10 +328,10 @@ def load_models(target: Path, drafts: dict[str, Path]) -> tuple[Any, dict[str, A
     from transformers import AutoModelForCausalLM
 
     def load(path: Path) -> Any:
-        check_model_dir(path)
         return AutoModelForCausalLM.from_pretrained(str(path), local_files_only=True, dtype=torch.float32).eval()
 
-    return load(target), {name: load(path) for name, path in drafts.items()}, load_tokenizer(target)
+    target = resolve_model(target)
+    return load(target), {name: load(resolve_model(path)) for name, path in drafts.items()}, load_tokenizer(target)
 
 
 def module_weights(model: Any) -> Weights:
@@ -366,9 +369,12 @@ def gpu_profiles(config: AcceptanceConfig, target: Any, drafts: dict[str, Any]) 
 
 
 def read_profile(path: Path) -> Profile:
-    """A measured profile from JSON: a profile object, or a pair manifest holding `profile_Q4_K_M`."""
+    """A measured profile from JSON: a profile object, or a pair manifest holding one `profile_<quant>`."""
     loaded = json.loads(path.read_text())
-    loaded = loaded.get("profile_Q4_K_M", loaded.get("profile", loaded))
+    measured = sorted(key for key in loaded if key.startswith("profile_"))
+    if len(measured) > 1:
+        raise SpectuneError(f"{path}: profiles at several quant types ({', '.join(measured)}); give one profile's JSON")
+    loaded = loaded[measured[0]] if measured else loaded.get("profile", loaded)
     if "cost_ratio" not in loaded or "verify_ratio" not in loaded:
         raise SpectuneError(f"{path}: no cost_ratio / verify_ratio (a profile or a pair manifest)")
     return Profile(
@@ -392,7 +398,7 @@ def run_acceptance(config: AcceptanceConfig) -> dict[str, Any]:
         answers = assistant_turns(config.ngram_data) if config.ngram_data else []
         ngram = (config.ngram, domain_of_texts(config.ngram, answers, functools.partial(encode, tokenizer)))
     results = measure(
-        target_model, draft_models, tokenizer, prompts, profiles, config.max_new_tokens, config.temperature, ngram
+        target_model, draft_models, tokenizer, prompts, profiles, config.max_tokens, config.temperature, ngram
     )
     report = {
         "target": str(config.target),

@@ -21,11 +21,12 @@ from rich.console import Console
 
 from spectune.atomic import atomic_path
 from spectune.config import Settings
-from spectune.data.prepare import split_dialogues
+from spectune.data.prepare import SplitSettings, split_dialogues
 from spectune.data.read import Dialogue, read_dialogues
 from spectune.data.render import RenderStats, render_all
 from spectune.errors import SpectuneError
 from spectune.models.load import save_tokenizer
+from spectune.story import story
 
 console = Console()
 
@@ -59,7 +60,7 @@ class TrainSettings(Settings):
     batch_size: int = Field(8, ge=1, description="Dialogues per step.")
     grad_accum: int = Field(1, ge=1, description="Steps accumulated per optimizer update.")
     lr: float = Field(2e-4, gt=0, description="Learning rate.")
-    max_tokens: int = Field(512, ge=16, description="Longest sequence; longer dialogues are cut on turns.")
+    max_seq_length: int = Field(512, ge=16, description="Longest training sequence; longer dialogues are cut on turns.")
     max_eval: int = Field(100, ge=1, description="Held-out dialogues the eval loss is measured on.")
     max_train: int = Field(0, ge=0, description="Use only the first N train dialogues (0: all).")
     save_steps: int = Field(50, ge=1, description="Checkpoint every N steps.")
@@ -68,16 +69,12 @@ class TrainSettings(Settings):
     )
 
 
-class TrainInputs(Settings):
+class TrainInputs(SplitSettings):
     """What a trainer reads and writes; `spectune run` fills these from its data section and run layout."""
 
     data: Path = Field(description="Task dataset (chat JSONL or a save_to_disk folder).")
     out: Path = Field(description="Output folder (checkpoints/, the model or adapter, a JSON report).")
-    eval_data: Path | None = Field(None, description="Held-out dataset (default: a seeded split of --data).")
-    eval_fraction: float = Field(0.1, ge=0.0, lt=1.0, description="Share held out when no eval data is given.")
-    system: str | None = Field(None, description="System prompt to prepend where a record has none.")
     chat_template: Path | None = Field(None, description="Jinja chat template file, if the model has none.")
-    seed: int = Field(0, description="Seed (data split, init, order).")
     resume: bool = Field(False, description="Continue from the last complete checkpoint.")
 
 
@@ -103,10 +100,10 @@ def load_task_data(
     `split` replaces the (train, eval) dialogues (e.g. with the target's own answers)."""
     import datasets
 
-    data, eval_data, max_tokens = config.data, config.eval_data, config.max_tokens
+    data, eval_data, max_seq_length = config.data, config.eval_data, config.max_seq_length
     train, held_out = split or read_split(config)
-    rendered_train, stats = render_all(tokenizer, [d.messages for d in train], max_tokens)
-    rendered_eval, _ = render_all(tokenizer, [d.messages for d in held_out], max_tokens)
+    rendered_train, stats = render_all(tokenizer, [d.messages for d in train], max_seq_length)
+    rendered_eval, _ = render_all(tokenizer, [d.messages for d in held_out], max_seq_length)
     if stats.truncated or stats.dropped:
         dropped = ", ".join(f"{n} {why}" for why, n in stats.dropped.items()) or "none dropped"
         console.print(
@@ -114,7 +111,7 @@ def load_task_data(
             f"cut); {dropped}"
         )
     if not rendered_train:
-        raise SpectuneError(f"{data}: no trainable tokens after rendering and truncation to {max_tokens} tokens")
+        raise SpectuneError(f"{data}: no trainable tokens after rendering and truncation to {max_seq_length} tokens")
     if not rendered_eval:
         raise SpectuneError(f"{eval_data or data}: no eval dialogues left (raise --eval-fraction or give --eval-data)")
 
@@ -159,11 +156,11 @@ def trainer_settings(config: TrainConfig) -> dict[str, Any]:
         "fp16": False,
         "use_cpu": not cuda,
         "activation_checkpointing": cuda if config.gradient_checkpointing is None else config.gradient_checkpointing,
-        "max_length": config.max_tokens,
+        "max_length": config.max_seq_length,
         "packing": False,
         "dataloader_num_workers": 0,
         "include_num_input_tokens_seen": "all",
-        "disable_tqdm": False,
+        "disable_tqdm": not story.verbose,  # else spectune's own steps line (StepProgress) says how far it is
     }
 
 
@@ -210,10 +207,10 @@ def out_of_memory_advice(config: TrainConfig) -> Iterator[None]:
         yield
     except (torch.OutOfMemoryError, MemoryError) as exc:
         raise SpectuneError(
-            f"out of memory at batch_size {config.batch_size}, max_tokens {config.max_tokens}: lower --batch-size "
-            "(raise --grad-accum to keep the effective batch), lower --max-tokens, or turn on gradient "
-            "checkpointing (gradient_checkpointing: true); `spectune plan` estimates what fits. The last complete "
-            f"checkpoint, if any, is in {config.out / 'checkpoints'} (--resume continues from it)."
+            f"out of memory at batch_size {config.batch_size}, max_seq_length {config.max_seq_length}: lower "
+            "--batch-size (raise --grad-accum to keep the effective batch), lower --max-seq-length, or turn on "
+            "gradient checkpointing (gradient_checkpointing: true); `spectune plan` estimates what fits. The last "
+            f"complete checkpoint, if any, is in {config.out / 'checkpoints'} (--resume continues from it)."
         ) from exc
 
 

@@ -46,11 +46,13 @@ from spectune.cache import cache_root
 from spectune.data.read import Dialogue, write_jsonl
 from spectune.errors import SpectuneError
 from spectune.export.gguf import export_model
-from spectune.models.load import check_model_dir, load_tokenizer
+from spectune.models.load import load_tokenizer
+from spectune.models.resolve import MODEL_REFERENCE, resolve_model
 from spectune.progress import progress
 from spectune.runtime.chat import chat_tokens
+from spectune.runtime.decode import DEFAULT_MAX_TOKENS, DecodeSettings
 from spectune.runtime.llama import LlamaModel
-from spectune.runtime.speculative import SamplingConfig, SpeculativeDecoder
+from spectune.runtime.speculative import SpeculativeDecoder
 from spectune.threads import configure_torch_threads
 from spectune.train.common import (
     Timer,
@@ -89,8 +91,8 @@ class DraftSettings(TrainSettings):
     divergence: Divergence | None = Field(
         None, description="kd/speckd/onpolicy loss (default: greedy_tv for speckd, else forward_kl; onpolicy: no tv)."
     )
-    temperature: float = Field(1.0, gt=0, description="Distillation temperature.")
-    max_new_tokens: int = Field(64, ge=1, description="seqkd/onpolicy: longest answer the model generates.")
+    kd_temperature: float = Field(1.0, gt=0, description="kd/speckd: the distillation temperature.")
+    max_tokens: int = Field(DEFAULT_MAX_TOKENS, ge=1, description="seqkd/onpolicy: longest answer the model generates.")
     teacher_top_k: int = Field(
         0, ge=0, description="kd: cache the target's top-k log-probs once (0: run the target on the fly)."
     )
@@ -119,7 +121,9 @@ class DraftConfig(DraftSettings, TrainConfig):
     """Everything `spectune draft` takes."""
 
     target: Path = Field(description="The fine-tuned (merged) target: the teacher for every method but sft.")
-    draft: Path = Field(description="The draft folder to start from (the base draft, or another method's).")
+    draft: Path = Field(
+        description=f"The draft to start from (the base draft, or another method's): {MODEL_REFERENCE}."
+    )
     method: Method = Field("sft", description="How the draft learns the target.")
 
     @model_validator(mode="after")
@@ -207,13 +211,13 @@ def cached_teacher(config: DraftConfig, teacher: Any, trainer: Any) -> dict[byte
     import torch
 
     path = config.out / f"teacher_top{config.teacher_top_k}.pt"
-    settings = {"target": model_identity(config.target), "temperature": config.temperature}
+    settings = {"target": model_identity(config.target), "temperature": config.kd_temperature}
     if path.is_file():
         saved = torch.load(path, weights_only=True)
         if saved["settings"] == settings:
             return saved["cache"]
     datasets = [trainer.train_dataset, trainer.eval_dataset]
-    cache = teacher_cache(teacher, datasets, config.teacher_top_k, config.temperature)
+    cache = teacher_cache(teacher, datasets, config.teacher_top_k, config.kd_temperature)
     with atomic_path(path) as tmp:
         torch.save({"settings": settings, "cache": cache}, tmp)
     return cache
@@ -268,8 +272,8 @@ def onpolicy_trainer(config: DraftConfig, model: Any, teacher: Any, tokenizer: A
     args = DistillationConfig(
         **settings,
         beta=JSD_BETA[config.divergence_for("onpolicy")],
-        temperature=config.temperature,
-        max_completion_length=config.max_new_tokens,
+        temperature=config.kd_temperature,
+        max_completion_length=config.max_tokens,
     )
     train, held_out = (
         Dataset.from_dict({"prompt": prompts})
@@ -298,16 +302,16 @@ def target_answers(
     answer: Callable[[list[dict[str, str]]], str],
     dialogues: list[Dialogue],
     prompt_tokens: Callable[[list[dict[str, str]]], int],
-    max_tokens: int,
+    max_seq_length: int,
 ) -> list[Dialogue]:
     """Each assistant turn replaced by the target's greedy answer to the dataset's context before it. A turn whose
-    rewritten context already holds `max_tokens` tokens is left as it is: training cuts dialogues on turns at
-    `max_tokens`, so it would never be trained on, and answering it would be wasted work."""
+    rewritten context already holds `max_seq_length` tokens is left as it is: training cuts dialogues on turns at
+    `max_seq_length`, so it would never be trained on, and answering it would be wasted work."""
     rewritten = []
     for dialogue in progress(dialogues, "the target's answers (seqkd)"):
         turns: list[dict[str, str]] = []
         for index, turn in enumerate(dialogue.messages):
-            if turn["role"] == "assistant" and prompt_tokens(turns) < max_tokens:
+            if turn["role"] == "assistant" and prompt_tokens(turns) < max_seq_length:
                 turn = {"role": "assistant", "content": answer(dialogue.messages[:index]) or turn["content"]}
             turns.append(turn)
         rewritten.append(Dialogue(turns, dialogue.source, dialogue.line))
@@ -315,7 +319,7 @@ def target_answers(
 
 
 def only_answered(
-    dialogues: list[Dialogue], prompt_tokens: Callable[[list[dict[str, str]]], int], max_tokens: int
+    dialogues: list[Dialogue], prompt_tokens: Callable[[list[dict[str, str]]], int], max_seq_length: int
 ) -> list[Dialogue]:
     """Each dialogue up to its last turn the target answered (target_answers' rule; the rest is the dataset's own
     words): the target's phrasing alone, for n-gram lookup (the bench's domain table)."""
@@ -324,7 +328,7 @@ def only_answered(
         answered = [
             index
             for index, turn in enumerate(dialogue.messages)
-            if turn["role"] == "assistant" and prompt_tokens(dialogue.messages[:index]) < max_tokens
+            if turn["role"] == "assistant" and prompt_tokens(dialogue.messages[:index]) < max_seq_length
         ]
         if answered:
             kept.append(Dialogue(dialogue.messages[: answered[-1] + 1], dialogue.source, dialogue.line))
@@ -335,7 +339,7 @@ def answers_key(config: DraftConfig, split: tuple[list[Dialogue], list[Dialogue]
     """What the target's answers depend on: the target's files, how they are generated, the dialogues."""
     identity = {
         "target": model_identity(config.target),
-        "settings": [config.answers_by, config.max_new_tokens, config.max_tokens],
+        "settings": [config.answers_by, config.max_tokens, config.max_seq_length],
         "dialogues": [[d.messages for d in part] for part in split],
     }
     return hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:24]
@@ -353,15 +357,15 @@ def seqkd_split(
 
     if path.is_file():
         train, held_out = ([Dialogue(**d) for d in part] for part in json.loads(path.read_text()))
-        write_jsonl(only_answered(train, prompt_tokens, config.max_tokens), config.out / TARGET_ANSWERS)
+        write_jsonl(only_answered(train, prompt_tokens, config.max_seq_length), config.out / TARGET_ANSWERS)
         return train, held_out
     answer = (
-        llama_answerer(export_model(config.target, config.out / TEACHER_GGUF, "Q8_0"), config.max_new_tokens)
+        llama_answerer(export_model(config.target, config.out / TEACHER_GGUF, "Q8_0"), config.max_tokens)
         if config.answers_by == "llama.cpp"
-        else hf_answerer(teacher, tokenizer, config.max_new_tokens)
+        else hf_answerer(teacher, tokenizer, config.max_tokens)
     )
-    train, held_out = (target_answers(answer, part, prompt_tokens, config.max_tokens) for part in split)
-    write_jsonl(only_answered(train, prompt_tokens, config.max_tokens), config.out / TARGET_ANSWERS)
+    train, held_out = (target_answers(answer, part, prompt_tokens, config.max_seq_length) for part in split)
+    write_jsonl(only_answered(train, prompt_tokens, config.max_seq_length), config.out / TARGET_ANSWERS)
     with atomic_path(path) as tmp:
         tmp.write_text(json.dumps([[dataclasses.asdict(d) for d in part] for part in (train, held_out)]))
     return train, held_out
@@ -382,7 +386,7 @@ def llama_answerer(gguf: Path, max_new_tokens: int) -> Callable[[list[dict[str, 
     consecutive turns of a dialogue reuse the cached prefix."""
     model = LlamaModel(gguf, n_ctx=4096, threads=None, exact=False)
     decoder = SpeculativeDecoder(model)
-    sampling = SamplingConfig(max_tokens=max_new_tokens)
+    sampling = DecodeSettings(max_tokens=max_new_tokens)
 
     def answer(messages: list[dict[str, str]]) -> str:
         prompt = chat_tokens(model, messages)[-(model.n_ctx - max_new_tokens - 1) :]
@@ -402,7 +406,7 @@ def method_trainer(
         return onpolicy_trainer(config, model, teacher, tokenizer, split), 0.0
     distils = config.method in TEACHER_METHODS
     trainer_class = (
-        distillation_trainer(config.divergence_for(config.method), config.temperature) if distils else SFTTrainer
+        distillation_trainer(config.divergence_for(config.method), config.kd_temperature) if distils else SFTTrainer
     )
     trainer = trainer_class(
         model=model,
@@ -424,9 +428,10 @@ def train_draft(config: DraftConfig) -> DraftResult:
     """Train a draft with `config.method`; returns the trained draft folder (a full HF model)."""
     from transformers import set_seed
 
+    from spectune.train.steps import show_steps  # imports transformers
+
     configure_torch_threads()
-    check_model_dir(config.target)
-    check_model_dir(config.draft)
+    config = config.model_copy(update={"target": resolve_model(config.target), "draft": resolve_model(config.draft)})
     tokenizer = load_tokenizer(config.draft, config.chat_template)
     target_tokenizer = load_tokenizer(config.target, config.chat_template)
     if target_tokenizer.get_vocab() != tokenizer.get_vocab():
@@ -450,6 +455,7 @@ def train_draft(config: DraftConfig) -> DraftResult:
         f"parameters, {len(data.train)} dialogues, {data.trained_tokens:,} trained tokens"
     )
     out_model = config.out / "model"
+    show_steps(trainer, f"draft {config.method}")
     outcome = train_and_save(trainer, tokenizer, config, out_model, data)
     result = DraftResult(
         **outcome.model_dump(),

@@ -19,12 +19,31 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from pydantic import Field
+
+from spectune.config import Settings
 from spectune.errors import SpectuneError
+from spectune.train.common import TrainSettings
+from spectune.train.target import FinetuneSettings
 
 GIB = 2**30
 NF4_BITS = 4.0 + 8 / 64 + 32 / (64 * 256)  # 4-bit codes, 8-bit absmax per 64, f32 scale per 256 absmax
 Q4_K_M_BITS = 4.85
 MARGIN = 1.10
+
+
+class PlanConfig(Settings):
+    """Everything `spectune plan` takes: the fine-tune's sizes under the names (and defaults) `spectune finetune`
+    gives them."""
+
+    model: Path = Field(description="A model folder or an HF config.json (no weights needed).")
+    gpu_mem: str = Field("16GiB", description="Memory to plan for, e.g. 16GiB or 24 GB.")
+    max_seq_length: int = TrainSettings.model_fields["max_seq_length"]
+    batch_size: int = TrainSettings.model_fields["batch_size"]
+    lora_r: int = FinetuneSettings.model_fields["lora_r"]
+    context: int = Field(8192, ge=1, description="Inference context (KV cache) in tokens.")
+    draft: Path | None = Field(None, description="The draft's folder or config.json: prints its cost ratio c.")
+    json_out: Path | None = Field(None, description="Also write the plan as JSON here.")
 
 
 @dataclass(frozen=True)

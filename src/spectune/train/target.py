@@ -12,8 +12,10 @@ from typing import Any
 from pydantic import BaseModel, Field
 
 from spectune.atomic import atomic_path
+from spectune.config import Settings
 from spectune.errors import SpectuneError
-from spectune.models.load import check_model_dir, load_tokenizer, save_tokenizer
+from spectune.models.load import load_tokenizer, save_tokenizer
+from spectune.models.resolve import MODEL_REFERENCE, resolve_model
 from spectune.threads import configure_torch_threads
 from spectune.train.common import (
     TrainConfig,
@@ -42,7 +44,7 @@ class FinetuneSettings(TrainSettings):
 class FinetuneConfig(FinetuneSettings, TrainConfig):
     """Everything `spectune finetune` takes."""
 
-    model: Path = Field(description="Local HF model folder (the target).")
+    model: Path = Field(description=f"The target: {MODEL_REFERENCE}.")
 
 
 class FinetuneResult(TrainResult):
@@ -143,8 +145,10 @@ def finetune(config: FinetuneConfig) -> FinetuneResult:
     from transformers import set_seed
     from trl import SFTConfig, SFTTrainer
 
+    from spectune.train.steps import show_steps  # imports transformers
+
     configure_torch_threads()
-    check_model_dir(config.model)
+    config = config.model_copy(update={"model": resolve_model(config.model)})
     tokenizer = load_tokenizer(config.model, config.chat_template)
     data = load_task_data(tokenizer, config)
     set_seed(config.seed)  # LoRA init too: a run is reproducible, and --resume continues the same run
@@ -173,6 +177,7 @@ def finetune(config: FinetuneConfig) -> FinetuneResult:
         f"~{tokens_per_step:,.0f} trained tokens per step"
     )
     adapter = config.out / "adapter"
+    show_steps(trainer, "QLoRA" if config.four_bit else "LoRA")
     outcome = train_and_save(trainer, tokenizer, config, adapter, data)
     nf4_layers = count_nf4_layers(trainer.model)
     result = FinetuneResult(
@@ -208,6 +213,9 @@ def _planned_steps(trainer: Any) -> int:
     return math.ceil(per_epoch * args.num_train_epochs)
 
 
+MERGE_TOLERANCE = 1e-3  # merged logits within this of base + adapter, or the merge is refused
+
+
 class MergeResult(BaseModel):
     model: Path
     max_logit_diff: float
@@ -227,13 +235,24 @@ def merge_base(base: Path, four_bit: bool) -> Any:
     return model.dequantize(dtype=torch.float32).to("cpu")
 
 
-def merge(base: Path, adapter: Path, out: Path, four_bit: bool = True, tolerance: float = 1e-3) -> MergeResult:
+class MergeConfig(Settings):
+    """Everything `spectune merge` takes."""
+
+    base: Path = Field(description=f"The base the adapter was trained on: {MODEL_REFERENCE}.")
+    adapter: Path = Field(description="The LoRA adapter folder.")
+    out: Path = Field(description="Where to write the merged HF model.")
+    four_bit: bool = Field(
+        True, description="The adapter was trained on the NF4 base (QLoRA): merge into it, dequantized."
+    )
+
+
+def merge(config: MergeConfig) -> MergeResult:
     """Fold a (Q)LoRA adapter into the base it was trained on (`four_bit`: the NF4 base, dequantized); checks
     merged == base + adapter."""
     import torch
     from peft import PeftModel
 
-    check_model_dir(base)
+    base, adapter, out, four_bit = resolve_model(config.base), config.adapter, config.out, config.four_bit
     if not (adapter / "adapter_config.json").is_file():
         raise SpectuneError(f"{adapter}: not a LoRA adapter folder (no adapter_config.json)")
     tokenizer = load_tokenizer(adapter if (adapter / "tokenizer_config.json").is_file() else base)
@@ -249,8 +268,8 @@ def merge(base: Path, adapter: Path, out: Path, four_bit: bool = True, tolerance
         merged = with_adapter.merge_and_unload()
         got = merged(input_ids=probe).logits
     diff = float((expected - got).abs().max())
-    if diff > tolerance:
-        raise SpectuneError(f"merged logits differ from base + adapter by {diff:.2e} (> {tolerance:.0e})")
+    if diff > MERGE_TOLERANCE:
+        raise SpectuneError(f"merged logits differ from base + adapter by {diff:.2e} (> {MERGE_TOLERANCE:.0e})")
     with atomic_path(out) as tmp:
         merged.save_pretrained(str(tmp))
         save_tokenizer(tokenizer, tmp)
