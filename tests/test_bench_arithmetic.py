@@ -27,8 +27,10 @@ def variant(
     peer,
     looked_up=0,
     defaults=None,
+    catch_ups=(),
 ):
     return {
+        "draft_catch_ups": list(catch_ups),
         **({"llama_cpp_defaults": defaults} if defaults else {}),
         "ngram_steps": 1 if looked_up else 0,
         "ngram_drafted": looked_up,
@@ -60,7 +62,8 @@ ROWS = [
         "variants": {
             # llama.cpp: 9 decodes, 80 ms; at its defaults 9 in 0.54 s, 60 ms
             "target": variant(10, 1.0, 10, 10, [], [], 0, 0, 1.0, peer(10, 0.72), defaults=peer(10, 0.54)),
-            "sft": variant(10, 0.5, 4, 10, [4, 2], [3, 1], 8, 4, 2.0, peer(10, 0.4, 8, 4)),
+            # the draft read 2 tokens, then 3, in one batch before proposing
+            "sft": variant(10, 0.5, 4, 10, [4, 2], [3, 1], 8, 4, 2.0, peer(10, 0.4, 8, 4), catch_ups=(2, 3)),
         }
     },
     {
@@ -118,8 +121,10 @@ def test_acceptance_and_tau_are_pooled_over_the_prompts(summary):
 
 
 def test_the_predictions_cost_each_step_by_what_it_drafted(summary):
-    # 2 steps drafted 1 token, 7 drafted 2: here 2 (r(2) + c) + 7 (r(3) + 2c) = 25; on a GPU 9 + 16 x 0.1 = 10.6
-    assert summary["predicted_speedup_here"] == pytest.approx(30 / 25)
+    # 2 steps drafted 1 token, 7 drafted 2: here 2 (r(2) + c) + 7 (r(3) + 2c) = 25, and the catch-ups of 2 and 3
+    # tokens cost c (r(2) - 1) + c (r(3) - 1) = 0.75 more; on a GPU 9 + 16 x 0.1 = 10.6 (a batch costs one step)
+    assert summary["draft_catch_ups"] == 2
+    assert summary["predicted_speedup_here"] == pytest.approx(30 / 25.75)
     assert summary["gpu_cost_ratio"] == pytest.approx(0.1)
     assert summary["predicted_speedup_gpu"] == pytest.approx(30 / 10.6)
 
@@ -204,6 +209,6 @@ def test_the_bench_refuses_settings_it_cannot_compare(tmp_path):
     base = {"target": tmp_path / "t.gguf", "drafts": {}, "data": tmp_path / "d.jsonl"}
     with pytest.raises(ValueError, match="temperature must be 0"):
         BenchConfig(**base, temperature=0.7)
-    with pytest.raises(ValueError, match=r"llama\.cpp's tools take no stop strings"):
+    with pytest.raises(ValueError, match=r"llama\.cpp's tools run without stop"):
         BenchConfig(**base, peer=True, stop=["."])
     assert BenchConfig(**base, stop=["."]).stop == ["."]  # spectune's own loop alone takes them

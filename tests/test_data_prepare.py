@@ -79,17 +79,19 @@ def test_cli_validate_reports_file_line_and_exits_2(tmp_path, capsys):
     assert f"{path}:2 [messages[0].role]: unknown role 'bot'" in err
 
 
-def test_cli_prepare_writes_nothing_on_bad_input(tmp_path):
+def test_cli_prepare_writes_nothing_on_bad_input(tmp_path, capsys):
     path = tmp_path / "bad.jsonl"
     path.write_text("{broken\n")
     out = tmp_path / "out"
     assert run_cli("data", "prepare", str(path), "--out", str(out)) == 2
     assert not out.exists()
+    assert run_cli("data", "prepare", "--out", str(out)) == 2  # the dataset, its argument, is required
+    assert "[data]: Field required" in capsys.readouterr().err
 
 
 def test_cli_demo_prepare_prompts(tmp_path, capsys):
     demo = tmp_path / "demo.jsonl"
-    assert run_cli("data", "demo", "--n", "120", "--out", str(demo)) == 0
+    assert run_cli("data", "demo", "--demo-dialogues", "120", "--out", str(demo)) == 0
     assert len(demo.read_text().splitlines()) == 120
     assert run_cli("data", "prepare", str(demo), "--out", str(tmp_path / "split"), "--eval-fraction", "0.25") == 0
     n_eval = len((tmp_path / "split" / "eval.jsonl").read_text().splitlines())
@@ -103,7 +105,7 @@ def test_cli_demo_prepare_prompts(tmp_path, capsys):
 
 def test_cli_inspect_sgd_prints_its_table(sgd_dev, tmp_path, capsys):
     out = tmp_path / "stats.json"
-    assert run_cli("data", "inspect", str(sgd_dev), "--json", str(out)) == 0
+    assert run_cli("data", "inspect", str(sgd_dev), "--json-out", str(out)) == 0
     printed = capsys.readouterr().out
     assert "dialogues" in printed and "40" in printed and "assistant words/turn" in printed
     stats = json.loads(out.read_text())

@@ -103,7 +103,7 @@ def test_ngram_alone_and_in_front_of_the_draft_give_the_targets_own_answers(q8_p
     looked_up = SpeculativeDecoder(target, ngram=NgramDrafter(NgramSettings(), domain))
     combined = SpeculativeDecoder(target, draft, NgramDrafter(NgramSettings(), domain))
     config = DecodeSettings(max_tokens=40, draft_max=4)
-    totals = {"ngram": [0, 0], "combined": [0, 0, 0]}
+    totals = {"ngram": [0, 0], "combined": [0, 0, 0], "caught_up": [0, 0]}
     for prompt in extract_prompts(dialogues, 12, seed=3):
         ids = target.tokenize(chat_prompt(target, prompt.messages))
         expected = plain.generate(ids, config).tokens
@@ -116,9 +116,15 @@ def test_ngram_alone_and_in_front_of_the_draft_give_the_targets_own_answers(q8_p
         totals["combined"][0] += both.stats.ngram_steps
         totals["combined"][1] += both.stats.verify_steps - both.stats.ngram_steps
         totals["combined"][2] += both.stats.accepted - both.stats.ngram_accepted
+        # the draft model reads what was looked up before it proposes again: batches of 2 tokens or more, recorded
+        assert alone.stats.draft_catch_ups == [] and all(n > 1 for n in both.stats.draft_catch_ups)
+        assert len(both.stats.draft_catch_ups) <= both.stats.verify_steps - both.stats.ngram_steps
+        totals["caught_up"][0] += sum(both.stats.draft_catch_ups)
+        totals["caught_up"][1] += both.stats.ngram_accepted
     assert totals["ngram"][0] > 0 and totals["ngram"][1] > 0  # the demo's phrasing repeats: lookups get accepted
     assert totals["combined"][0] > 0 and totals["combined"][1] > 0  # both sources proposed
     assert totals["combined"][2] > 0  # and the draft model's proposals were still accepted where it proposed
+    assert totals["caught_up"][0] > totals["caught_up"][1] > 0  # it read every accepted looked-up token, and more
 
 
 def test_a_server_with_ngram_lookup_answers_as_the_target_alone(pair, messages, demo_data):

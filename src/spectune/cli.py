@@ -18,8 +18,18 @@ from spectune import __version__
 from spectune.bench.run import BenchConfig
 from spectune.bench.run import bench as run_bench
 from spectune.config import validate
-from spectune.data.demo import generate_dialogues
-from spectune.data.prepare import dataset_stats, extract_prompts, save_split, split_dialogues, write_prompts
+from spectune.data.demo import DemoDataConfig, generate_dialogues
+from spectune.data.prepare import (
+    InspectConfig,
+    PrepareConfig,
+    PromptsConfig,
+    ReadConfig,
+    dataset_stats,
+    extract_prompts,
+    save_split,
+    split_dialogues,
+    write_prompts,
+)
 from spectune.data.read import assistant_turns, read_dialogues, write_jsonl
 from spectune.data.render import render
 from spectune.engines.handoff import HandoffConfig, hand_off
@@ -73,13 +83,7 @@ app.add_typer(models_app, name="models")
 tools_app = typer.Typer(help="Build llama.cpp's own tools: the bench's peer, the server engine.", no_args_is_help=True)
 app.add_typer(tools_app, name="tools")
 
-DataFile = Annotated[
-    Path, typer.Argument(help="Chat JSONL (OpenAI messages, ShareGPT or Alpaca) or a save_to_disk folder.")
-]
 SystemOpt = Annotated[str | None, typer.Option(help="System prompt to prepend where a record has none.")]
-SkipOpt = Annotated[bool, typer.Option("--skip-invalid", help="Drop invalid records (counted) instead of failing.")]
-TokenizerOpt = Annotated[Path | None, typer.Option(help="Local tokenizer folder to count tokens with.")]
-SeedOpt = Annotated[int, typer.Option(help="Seed: the same seed gives the same result.")]
 
 
 def _version(value: bool) -> None:
@@ -115,23 +119,18 @@ def _read(path: Path, system: str | None, skip_invalid: bool):
     return result
 
 
-@data_app.command("validate")
-def data_validate(path: DataFile, system: SystemOpt = None) -> None:
+@config_command(data_app, ReadConfig, name="validate")
+def data_validate(config: ReadConfig) -> None:
     """Check every record; list each problem with file, line and field (exit 2 if any)."""
-    result = _read(path, system, skip_invalid=False)
-    console.print(f"{path}: {len(result.dialogues)} dialogues in {result.format} format, all valid")
+    result = _read(config.data, config.system, skip_invalid=False)
+    console.print(f"{config.data}: {len(result.dialogues)} dialogues in {result.format} format, all valid")
 
 
-@data_app.command("inspect")
-def data_inspect(
-    path: DataFile,
-    tokenizer: TokenizerOpt = None,
-    system: SystemOpt = None,
-    json_out: Annotated[Path | None, typer.Option("--json", help="Also write the numbers as JSON.")] = None,
-) -> None:
+@config_command(data_app, InspectConfig, name="inspect")
+def data_inspect(config: InspectConfig) -> None:
     """Records, turns, tokens per turn (median, p95), role mix, duplicates, invalid lines."""
-
-    result = _read(path, system, skip_invalid=True)
+    path, tokenizer = config.data, config.tokenizer
+    result = _read(path, config.system, skip_invalid=True)
     stats = dataset_stats(result.dialogues, _token_counter(tokenizer), result.records, len(result.dropped))
     stats["format"] = result.format
     stats["counted_by"] = str(tokenizer) if tokenizer else "whitespace"
@@ -146,71 +145,47 @@ def data_inspect(
     for role, numbers in stats["tokens_per_turn"].items():
         table.add_row(f"{role} {unit}/turn median | p95", f"{numbers['median']:g} | {numbers['p95']:g}")
     console.print(table)
-    if json_out:
-        json_out.write_text(json.dumps(stats, indent=2))
+    if config.json_out:
+        config.json_out.write_text(json.dumps(stats, indent=2))
 
 
-@data_app.command("prepare")
-def data_prepare(
-    path: DataFile,
-    out: Annotated[Path, typer.Option(help="Folder for train.jsonl and eval.jsonl.")],
-    eval_fraction: Annotated[float, typer.Option(help="Share of dialogues held out for eval.")] = 0.1,
-    seed: SeedOpt = 0,
-    dedup: Annotated[bool, typer.Option(help="Remove exact duplicates.")] = True,
-    max_seq_length: Annotated[
-        int | None, typer.Option(help="Drop dialogues longer than this many tokens (needs --tokenizer).")
-    ] = None,
-    tokenizer: TokenizerOpt = None,
-    system: SystemOpt = None,
-    skip_invalid: SkipOpt = False,
-) -> None:
+@config_command(data_app, PrepareConfig, name="prepare")
+def data_prepare(config: PrepareConfig) -> None:
     """Dedup, filter and split a dataset (deterministic by seed); every drop is counted."""
-    result = _read(path, system, skip_invalid)
+    result = _read(config.data, config.system, config.skip_invalid)
     count_tokens = None
-    if max_seq_length is not None:
-        if tokenizer is None:
+    if config.max_seq_length is not None:
+        if config.tokenizer is None:
             raise SpectuneError("--max-seq-length needs --tokenizer")
-        loaded = load_tokenizer(tokenizer)
+        loaded = load_tokenizer(config.tokenizer)
         count_tokens = lambda d: len(render(loaded, d.messages).input_ids)  # noqa: E731
     split = split_dialogues(
         result.dialogues,
-        eval_fraction=eval_fraction,
-        seed=seed,
-        remove_duplicates=dedup,
-        max_seq_length=max_seq_length,
+        eval_fraction=config.eval_fraction,
+        seed=config.seed,
+        remove_duplicates=config.dedup,
+        max_seq_length=config.max_seq_length,
         count_tokens=count_tokens,
     )
     for why, n in split.dropped.items():
         console.print(f"dropped {n}: {why}")
-    paths = save_split(split, out)
+    paths = save_split(split, config.out)
     console.print(f"train: {len(split.train)} -> {paths['train']}\neval: {len(split.eval)} -> {paths['eval']}")
 
 
-@data_app.command("prompts")
-def data_prompts(
-    path: DataFile,
-    out: Annotated[Path, typer.Option(help="JSONL of {messages, reference}.")],
-    n: Annotated[int, typer.Option(help="How many prompts.")] = 50,
-    seed: SeedOpt = 0,
-    system: SystemOpt = None,
-) -> None:
+@config_command(data_app, PromptsConfig, name="prompts")
+def data_prompts(config: PromptsConfig) -> None:
     """Extract (context, reference answer) pairs at assistant turns, for bench and acceptance."""
+    prompts = extract_prompts(_read(config.data, config.system, skip_invalid=False).dialogues, config.n, config.seed)
+    write_prompts(prompts, config.out)
+    console.print(f"{len(prompts)} prompts -> {config.out}")
 
-    prompts = extract_prompts(_read(path, system, skip_invalid=False).dialogues, n, seed)
-    write_prompts(prompts, out)
-    console.print(f"{len(prompts)} prompts -> {out}")
 
-
-@data_app.command("demo")
-def data_demo(
-    out: Annotated[Path, typer.Option(help="Where to write the dialogues (JSONL).")],
-    n: Annotated[int, typer.Option(min=100, max=50_000, help="How many dialogues.")] = 2000,
-    seed: Annotated[int, typer.Option(help="Seed: the same seed gives the same dialogues.")] = 0,
-) -> None:
+@config_command(data_app, DemoDataConfig, name="demo")
+def data_demo(config: DemoDataConfig) -> None:
     """Generate phone voice-bot dialogues (9 intents, slots, 2–8 turns)."""
-
-    count = write_jsonl(generate_dialogues(n, seed), out)
-    console.print(f"{count} dialogues -> {out}")
+    count = write_jsonl(generate_dialogues(config.demo_dialogues, config.seed), config.out)
+    console.print(f"{count} dialogues -> {config.out}")
 
 
 VerboseOpt = Annotated[

@@ -23,6 +23,11 @@ class Settings(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
+def positional(description: str) -> dict[str, Any]:
+    """Field(...) keywords for a setting a verb takes as its argument rather than as a flag (a dataset's path)."""
+    return {"description": description, "json_schema_extra": {"positional": True}}
+
+
 def read_yaml(path: str | Path) -> dict[str, Any]:
     path = Path(path)
     if not path.is_file():

@@ -54,7 +54,9 @@ def _option(name: str, field: FieldInfo) -> inspect.Parameter:
         parts.append("(required)")
     elif (default := field.get_default(call_default_factory=True)) not in (None, {}, []):
         parts.append(f"(default: {default})")
-    option = typer.Option(help=" ".join(parts), show_default=False)
+    extra = field.json_schema_extra if isinstance(field.json_schema_extra, dict) else {}
+    make = typer.Argument if extra.get("positional") else typer.Option
+    option = make(help=" ".join(parts), show_default=False)
     return inspect.Parameter(
         name, inspect.Parameter.KEYWORD_ONLY, default=None, annotation=Annotated[kind | None, option]
     )

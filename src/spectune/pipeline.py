@@ -27,7 +27,7 @@ from pydantic import Field, model_validator
 from spectune.atomic import atomic_path
 from spectune.bench.run import BenchConfig, BenchSettings, bench
 from spectune.config import Settings, read_yaml, validate
-from spectune.data.demo import generate_dialogues
+from spectune.data.demo import DemoDataSettings, generate_dialogues
 from spectune.data.prepare import SplitSettings, split_dialogues
 from spectune.data.read import read_dialogues, write_jsonl
 from spectune.errors import Problem, SpectuneError
@@ -56,9 +56,8 @@ from spectune.train.plan import parse_memory, plan_report, read_shape
 from spectune.train.target import FinetuneConfig, FinetuneSettings, MergeConfig, finetune, merge
 
 
-class DataSettings(SplitSettings):
+class DataSettings(SplitSettings, DemoDataSettings):
     path: Path | Literal["demo"] = Field("demo", description="Task dataset, or demo: generated voice-bot dialogues.")
-    demo_dialogues: int = Field(2000, ge=100, le=50_000, description="How many demo dialogues to generate.")
 
 
 class ModelsSettings(Settings):
@@ -601,6 +600,11 @@ def _losses(outputs: dict[str, Any]) -> str:
     return f"eval loss {outputs['eval_loss_before']:.2f} -> {outputs['eval_loss_after']:.2f}"
 
 
+def _served(chosen: dict[str, Any]) -> str:
+    """The pair.json's variant: its draft, with lookup in front where it names n-gram settings, and its k."""
+    return f"{'ngram+' * bool(chosen['ngram'])}{chosen['draft_name']} at k = {chosen['k']}"
+
+
 # Each stage's own figure, printed when it ends.
 FIGURES: dict[str, Callable[[dict[str, Any]], str]] = {
     "data": lambda out: f"{out['train_dialogues']:,} dialogues to train on, {out['eval_dialogues']:,} held out",
@@ -613,7 +617,7 @@ FIGURES: dict[str, Callable[[dict[str, Any]], str]] = {
     "acceptance": lambda out: (
         "accepted "
         + ", ".join(f"{row['name']} {row['alpha']:.0%}" for row in out["drafts"])
-        + f"; serving {out['chosen']['draft_name']} at k = {out['chosen']['k']}"
+        + f"; serving {_served(out['chosen'])}"
     ),
     "bench": lambda out: (
         "here " + ", ".join(f"{name} {row['aggregate_speedup']:.2f}x" for name, row in out["summary"].items())

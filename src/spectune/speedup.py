@@ -50,17 +50,23 @@ def speedup(tau: float, k: int, cost_ratio: float, verify_ratio: float = GPU_VER
 
 
 def speedup_of_steps(
-    tau: float, drafted_at: list[int], steps: int, cost_ratio: float, profile: Mapping[str, float] | None
+    tau: float,
+    drafted_at: list[int],
+    steps: int,
+    cost_ratio: float,
+    profile: Mapping[str, float] | None,
+    extra_cost: float = 0.0,
 ) -> float:
     """S = τ / mean over verify steps of (r(d+1) + d·c), with d the tokens each step really drafted: a draft stops
     at an end token and an answer's last step drafts no further than its token limit, so on short answers d is
-    often below k. `drafted_at[i]`: the steps that drafted at least i + 1 tokens (None profile: r = 1)."""
+    often below k. `drafted_at[i]`: the steps that drafted at least i + 1 tokens (None profile: r = 1);
+    `extra_cost`: what else the steps cost in all, in target steps (the draft's catch-up batches)."""
     if not steps:
         return 0.0
     counts = [*drafted_at, 0]
     by_length = {0: steps - counts[0]}
     by_length |= {d: counts[d - 1] - counts[d] for d in range(1, len(counts))}
-    cost = sum(n * (verify_ratio_at(profile, d + 1) + d * cost_ratio) for d, n in by_length.items())
+    cost = sum(n * (verify_ratio_at(profile, d + 1) + d * cost_ratio) for d, n in by_length.items()) + extra_cost
     return tau * steps / cost
 
 

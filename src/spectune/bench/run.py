@@ -68,6 +68,7 @@ SUMMARY_KEYS = (
     "cost_ratio",
     "verify_ratio",
     "mean_drafted_per_step",
+    "draft_catch_ups",
     "predicted_speedup_here",
     "predicted_speedup_gpu",
     "gpu_cost_ratio",
@@ -121,11 +122,11 @@ class BenchSettings(DecodeSettings):
     @model_validator(mode="after")
     def _comparable(self) -> BenchSettings:
         """What the bench compares must be comparable: answers identical to the target alone's (greedy), and
-        llama.cpp's tools decoding the same way (they take no stop strings nor a minimum length)."""
+        llama.cpp's tools decoding the same way (they are given no stop strings, minimum length or ignore_eos)."""
         if self.temperature > 0:
             raise ValueError("the bench checks answers identical to the target alone's: temperature must be 0")
-        if self.peer and (self.stop or self.min_tokens):
-            raise ValueError("peer: llama.cpp's tools take no stop strings nor min_tokens; leave them unset")
+        if self.peer and (self.stop or self.min_tokens or self.ignore_eos):
+            raise ValueError("peer: llama.cpp's tools run without stop, min_tokens, ignore_eos: leave them unset")
         return self
 
 
@@ -370,6 +371,7 @@ def prompt_row(
             "ngram_drafted": stats[0].ngram_drafted,
             "ngram_accepted": stats[0].ngram_accepted,
             "ngram_from_context": stats[0].ngram_from_context,
+            "draft_catch_ups": stats[0].draft_catch_ups,
             "draft_seconds": statistics.median(s.draft_seconds for s in stats),
             "verify_seconds": statistics.median(s.verify_seconds for s in stats),
             "identical": all(r.tokens == plain_tokens for r in results),
@@ -487,6 +489,10 @@ def _summary(
     read_c = step_cost_ratio(gguf_weights(draft_path), gguf_weights(config.target)) if draft_path else 0.0
     gpu_c = (config.gpu_cost_ratio.get(name) or read_c) * model_share
     per_position = [a / d if d else 0.0 for d, a in zip(drafted_at, accepted_at, strict=True)]
+    # A catch-up of n tokens is one batch of the draft: r(n) draft steps here (the target's r standing in for the
+    # draft's), of which the step-cost model counts one; on a memory-bound GPU it costs what one step does.
+    catch_ups = [n for v in variants for n in v["draft_catch_ups"]]
+    catch_up_cost = profile["cost_ratio"] * sum(verify_ratio_at(profile["verify_ratio"], n) - 1 for n in catch_ups)
     return {
         **versus_llama_cpp(variants, [row["variants"][TARGET] for row in rows], seconds),
         "n": len(rows),
@@ -515,7 +521,10 @@ def _summary(
         "mean_drafted_per_step": drafted / steps if steps else 0.0,
         **ngram_figures(variants),
         # The step-cost model on the drafts each step really made (k at most): see speedup_of_steps
-        "predicted_speedup_here": speedup_of_steps(tau, drafted_at, steps, cost_ratio, profile["verify_ratio"]),
+        "draft_catch_ups": len(catch_ups),
+        "predicted_speedup_here": speedup_of_steps(
+            tau, drafted_at, steps, cost_ratio, profile["verify_ratio"], catch_up_cost
+        ),
         "gpu_cost_ratio": gpu_c,
         "predicted_speedup_gpu": speedup_of_steps(tau, drafted_at, steps, gpu_c, None),
     }

@@ -9,7 +9,11 @@ from __future__ import annotations
 
 import random
 from collections.abc import Callable
+from pathlib import Path
 
+from pydantic import Field
+
+from spectune.config import Settings
 from spectune.data.read import Dialogue
 
 FIRST_NAMES = [
@@ -351,6 +355,17 @@ CLOSINGS = (
     ("That's all, thank you.", "Glad I could help. Goodbye!"),
     ("Great, thanks.", "You're welcome. Is there anything else?"),
 )
+
+
+class DemoDataSettings(Settings):
+    demo_dialogues: int = Field(2000, ge=100, le=50_000, description="How many demo dialogues to generate.")
+
+
+class DemoDataConfig(DemoDataSettings):
+    """Everything `spectune data demo` takes."""
+
+    out: Path = Field(description="Where to write the dialogues (JSONL).")
+    seed: int = Field(0, description="Seed: the same seed gives the same dialogues.")
 
 
 def generate_dialogues(n: int, seed: int = 0) -> list[Dialogue]:

@@ -15,7 +15,7 @@ from typing import Any
 from pydantic import Field
 
 from spectune.atomic import atomic_path
-from spectune.config import Settings
+from spectune.config import Settings, positional
 from spectune.data.read import Dialogue, read_dialogues, write_jsonl
 from spectune.errors import SpectuneError
 
@@ -28,6 +28,49 @@ class SplitSettings(Settings):
     eval_fraction: float = Field(0.1, ge=0.0, lt=1.0, description="Share held out when no eval data is given.")
     system: str | None = Field(None, description="System prompt to prepend where a record has none.")
     seed: int = Field(0, description="Seed of the split (and of training: initialisation and order).")
+
+
+DATASET = "Chat JSONL (OpenAI messages, ShareGPT or Alpaca) or a save_to_disk folder."
+
+
+class ReadConfig(Settings):
+    """What `spectune data validate` takes: a dataset and how its records are read."""
+
+    data: Path = Field(**positional(DATASET))
+    system: str | None = SplitSettings.model_fields["system"]
+
+
+class InspectConfig(ReadConfig):
+    """Everything `spectune data inspect` takes."""
+
+    tokenizer: Path | None = Field(None, description="Local tokenizer folder to count tokens with (else words).")
+    json_out: Path | None = Field(None, description="Also write the numbers as JSON here.")
+
+
+class PrepareConfig(Settings):
+    """Everything `spectune data prepare` takes."""
+
+    data: Path = Field(**positional(DATASET))
+    out: Path = Field(description="Folder for train.jsonl and eval.jsonl.")
+    eval_fraction: float = SplitSettings.model_fields["eval_fraction"]
+    seed: int = SplitSettings.model_fields["seed"]
+    system: str | None = SplitSettings.model_fields["system"]
+    dedup: bool = Field(True, description="Remove exact duplicates.")
+    max_seq_length: int | None = Field(
+        None, ge=1, description="Drop dialogues longer than this many tokens (needs --tokenizer)."
+    )
+    tokenizer: Path | None = Field(None, description="Local tokenizer folder to count tokens with.")
+    skip_invalid: bool = Field(False, description="Drop invalid records (counted) instead of failing.")
+
+
+class PromptsConfig(Settings):
+    """Everything `spectune data prompts` takes."""
+
+    data: Path = Field(**positional(DATASET))
+    out: Path = Field(description="JSONL of {messages, reference}.")
+    n: int = Field(50, ge=1, description="How many prompts.")
+    seed: int = Field(0, description="Which prompts: the same seed gives the same prompts.")
+    system: str | None = SplitSettings.model_fields["system"]
 
 
 @dataclass

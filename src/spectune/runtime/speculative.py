@@ -224,6 +224,9 @@ class Stats:
     verify_steps: int = 0
     drafted_at: list[int] = field(default_factory=list)  # per draft position
     accepted_at: list[int] = field(default_factory=list)
+    # Where the draft model read more than one token in a batch before proposing (tokens it had not drafted itself:
+    # looked up, its last proposal and the bonus, a new turn): how many, one entry a time.
+    draft_catch_ups: list[int] = field(default_factory=list)
     prefill_seconds: float = 0.0
     draft_seconds: float = 0.0
     verify_seconds: float = 0.0
@@ -231,9 +234,12 @@ class Stats:
     total_seconds: float = 0.0
     finish_reason: str = "length"
 
-    def record(self, step: Step, ended: int | None, offered: int) -> None:
-        """One step; `ended`: the index of the first end token in its tokens; `offered`: the k it was asked for."""
+    def record(self, step: Step, ended: int | None, offered: int, caught_up: int = 0) -> None:
+        """One step; `ended`: the index of the first end token in its tokens; `offered`: the k it was asked for;
+        `caught_up`: the tokens the draft model read before proposing."""
         self.verify_steps += 1
+        if caught_up > 1:
+            self.draft_catch_ups.append(caught_up)
         self.produced += len(step.tokens) if ended is None else ended + 1  # τ counts the end token
         self.drafted += len(step.drafts)
         self.offered += offered
@@ -488,11 +494,11 @@ class SpeculativeDecoder:
             # The first token never waits for the draft; the first clause neither, where it comes sooner alone.
             draft = bool(output) and not alone_until_clause
             step, step_k = self._step(sequence, len(output), k, config, sampler, draft)
-            if step.proposal.source == "draft" and stats.drafted == stats.ngram_drafted:  # the model's first one:
-                # what the draft model found in its own cache
-                stats.draft_reused_prompt_tokens = len(sequence) - self.drafter.caught_up[0]
+            caught_up = self.drafter.caught_up[0] if step.proposal.source == "draft" else 0
+            if caught_up and stats.drafted == stats.ngram_drafted:  # the model's first one: what it found cached
+                stats.draft_reused_prompt_tokens = len(sequence) - caught_up
             ended = next((i for i, token in enumerate(step.tokens) if self.target.is_end(token)), None)
-            stats.record(step, ended, step_k)
+            stats.record(step, ended, step_k, caught_up)
             if config.adaptive and step.drafts:
                 k = min(config.k, k + 1) if step.accepted == len(step.drafts) else max(1, step.accepted + 1)
             new = step.tokens[:ended][: config.max_tokens - len(output)]
