@@ -11,18 +11,20 @@ LLAMA_CPP_PIN := $(shell grep -o 'llama-cpp-python==[0-9.]*' pyproject.toml)
 
 .PHONY: demo test test-fast lint install clean
 
+# llama-cpp-python is built first, from source, past pip's wheel cache: a cached wheel may carry other cmake flags.
+# pip's output goes to the install log (its tail is shown if it fails): `make demo` prints the demo's story only.
 $(VENV)/.installed: pyproject.toml
-	test -x $(PY) || python3 -m venv $(VENV)
-	# Built first, from source, past pip's wheel cache: a cached wheel may carry other cmake flags.
-	CMAKE_ARGS="-DGGML_LLAMAFILE=$(LLAMAFILE) $(CMAKE_ARGS)" $(PY) -m pip install $(PIP_FLAGS) --no-cache-dir \
-		--force-reinstall --no-deps '$(LLAMA_CPP_PIN)'
-	$(PY) -m pip install $(PIP_FLAGS) -e '.[dev]'
-	touch $@
+	@test -x $(PY) || python3 -m venv $(VENV)
+	@echo "installing into $(VENV): llama.cpp compiles from source, 10 to 20 minutes on 2 cores (log: $(VENV)/install.log)"
+	@{ CMAKE_ARGS="-DGGML_LLAMAFILE=$(LLAMAFILE) $(CMAKE_ARGS)" $(PY) -m pip install $(PIP_FLAGS) --no-cache-dir \
+		--force-reinstall --no-deps '$(LLAMA_CPP_PIN)' && $(PY) -m pip install $(PIP_FLAGS) -e '.[dev]'; } \
+		> $(VENV)/install.log 2>&1 || { tail -n 40 $(VENV)/install.log; exit 1; }
+	@touch $@
 
 install: $(VENV)/.installed
 
 demo: $(VENV)/.installed
-	$(VENV)/bin/spectune demo
+	@$(VENV)/bin/spectune demo
 
 lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check src tests benchmarks
