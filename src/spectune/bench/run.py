@@ -194,7 +194,7 @@ def bench(config: BenchConfig) -> dict[str, Any]:
         f"{verdict['build']}, exact = {config.exact}: identical answers "
         + ("guaranteed" if verdict["guaranteed"] else "NOT guaranteed: " + "; ".join(verdict["reasons"]))
     )
-    decode = DecodeSettings.model_validate(config.model_dump(include=set(DecodeSettings.model_fields)))
+    decode = config.decoding()
     sampling = {name: decode.model_copy(update={"draft_max": draft_length(config, name)}) for name in decoders}
     peer = peer_runner(config, target) if config.peer else None
     with contextlib.ExitStack() as stack:
@@ -412,7 +412,8 @@ def draft_length(config: BenchConfig, name: str) -> int:
     if name not in config.variants():
         return 0
     # an n-gram variant the meter did not measure drafts as far as its draft
-    return config.with_k(config.recommended_k.get(name, config.recommended_k.get(name.removeprefix(f"{NGRAM}+")))).k
+    measured = config.recommended_k.get(name, config.recommended_k.get(name.removeprefix(f"{NGRAM}+")))
+    return config.with_k(measured).k
 
 
 def variant_profiles(config: BenchConfig) -> dict[str, dict[str, Any]]:

@@ -29,15 +29,15 @@ def is_hub_id(reference: str | Path) -> bool:
     return not Path(reference).exists() and HUB_ID.match(str(reference)) is not None
 
 
-def resolve_model(reference: str | Path, need_weights: bool = True) -> Path:
+def resolve_model(reference: str | Path) -> Path:
     """The local HF folder for `reference`: the folder itself, a GGUF's import, or a hub id's snapshot."""
     path = Path(reference)
     if path.is_dir():
-        return check_model_dir(path, need_weights)
+        return check_model_dir(path)
     if path.suffix == ".gguf":
         return imported_gguf(path)
     if is_hub_id(reference):
-        return check_model_dir(hub_snapshot(str(reference)), need_weights)
+        return check_model_dir(hub_snapshot(str(reference)))
     raise SpectuneError(f"{reference}: no such model folder, GGUF file or hub id (owner/name)")
 
 

@@ -45,6 +45,10 @@ class DecodeSettings(Settings):
         """The draft length this decodes with (auto where no recommendation was filled in: the default)."""
         return DEFAULT_DRAFT_MAX if self.draft_max == "auto" else self.draft_max
 
+    def decoding(self) -> DecodeSettings:
+        """The decoding settings alone, of a verb's config that extends them (bench's, serve's)."""
+        return DecodeSettings.model_validate(self.model_dump(include=set(DecodeSettings.model_fields)))
+
     def with_k(self, recommended: int | None) -> DecodeSettings:
         """These settings with auto resolved to `recommended` (a measured k; None: the default)."""
         if self.draft_max != "auto":

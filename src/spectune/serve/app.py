@@ -204,7 +204,7 @@ class Server:
 
     def __init__(self, config: ServeConfig) -> None:
         self.config = config
-        self.decode_defaults = config.model_dump(include=set(DecodeSettings.model_fields))
+        self.decoding = config.decoding()
         self.registry = CollectorRegistry()
         self.metrics = make_metrics(self.registry)
         self.slots: asyncio.Queue[Slot] = asyncio.Queue()
@@ -318,7 +318,7 @@ class Server:
         """The server's decoding settings with what the request names on top, its answer cut to the room left."""
         wanted = chat.decode_settings()
         length = min(wanted.get("max_tokens", self.config.max_tokens), room - 1)
-        return DecodeSettings.model_validate(self.decode_defaults | wanted | {"max_tokens": length})
+        return DecodeSettings.model_validate(self.decoding.model_dump() | wanted | {"max_tokens": length})
 
     async def start(self, slot: Slot, chat: ChatRequest, arrived: float) -> Job | JSONResponse:
         """Tokenize the conversation in the slot and start its generation (or say why not). Whatever fails before
