@@ -322,3 +322,25 @@ def test_the_ngram_domain_table_reads_seqkds_target_answers_where_there_are_some
     assert all(answers in table[name].reads(context) for name in ("acceptance", "bench"))
     plain = validate(RunConfig, {**values, "drafts": {"methods": ["sft", "seqkd"]}}, "test")
     assert all(answers not in table[name].reads(Context(plain, plain.layout, {})) for name in ("acceptance", "bench"))
+
+
+def test_an_eagle3_head_trains_after_seqkd_on_its_answers_and_is_exported_and_measured_not_benched(tmp_path):
+    values = {"run_dir": str(tmp_path), "drafts": {"methods": ["sft", "seqkd"], "eagle3": {"max_steps": 5}}}
+    config = validate(RunConfig, values, "test")
+    table = {stage.name: stage for stage in stages(config)}
+    names = list(table)
+    assert names.index("draft:seqkd") < names.index("eagle3") < names.index("export")
+    assert table["eagle3"].needs == ("merge", "draft:seqkd")
+    assert all("eagle3" in table[name].needs for name in ("export", "acceptance"))
+    answers = config.layout.draft_dir("seqkd") / TARGET_ANSWERS
+    answers.parent.mkdir(parents=True)
+    answers.write_text("{}\n")
+    assert table["eagle3"].reads(Context(config, config.layout, {})) == [answers]
+    assert table["eagle3"].settings(config) != table["eagle3"].settings(
+        validate(RunConfig, {**values, "drafts": {**values["drafts"], "eagle3": {"max_steps": 6}}}, "test")
+    )
+    head = {"eagle3": {"model": str(tmp_path / "head")}, "base-draft": {"draft": "d"}, "draft:sft": {"model": "s"}}
+    head["draft:seqkd"] = {"model": "q"}
+    assert list(Context(config, config.layout, head).drafts()) == ["generic", "sft", "seqkd", "eagle3"]
+    without = validate(RunConfig, {"run_dir": str(tmp_path)}, "test")
+    assert "eagle3" not in [stage.name for stage in stages(without)]

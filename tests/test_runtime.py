@@ -328,7 +328,7 @@ def test_offline_acceptance_matches_the_runtime(ggufs, tuned_target, sft_draft, 
 
     n, max_tokens = 10, 24
     prompts = read_prompts(demo_data)[:n]
-    hf_target, hf_drafts, tokenizer = load_models(tuned_target, {"sft": sft_draft})
+    hf_target, hf_drafts, _, tokenizer = load_models(tuned_target, {"sft": sft_draft})
     answers = target_continuations(hf_target, tokenizer, prompts, max_tokens)
     matches = [
         (teacher_forced(hf_drafts["sft"], ids, answer).argmax(-1) == torch.tensor(answer)).tolist()

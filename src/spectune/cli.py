@@ -63,6 +63,7 @@ from spectune.story import story
 from spectune.threads import thread_count
 from spectune.train.acceptance import AcceptanceConfig, run_acceptance
 from spectune.train.draft import DraftConfig, train_draft
+from spectune.train.eagle3 import Eagle3Config, train_eagle3
 from spectune.train.plan import GIB, PlanConfig, cost_ratio, parse_memory, plan_report, read_shape
 from spectune.train.target import FinetuneConfig, MergeConfig
 from spectune.train.target import finetune as run_finetune
@@ -320,6 +321,17 @@ def draft(config: DraftConfig) -> None:
     )
 
 
+@config_command(app, Eagle3Config)
+def eagle3(config: Eagle3Config) -> None:
+    """Train an EAGLE-3 head for the tuned target (llama.cpp runs it as --spec-type draft-eagle3); export it with
+    `spectune export --model HEAD --target-model-dir TARGET --out HEAD.gguf`."""
+    result = train_eagle3(config)
+    console.print(
+        f"eagle3: held-out accuracy by draft step {result.accuracy_before} -> {result.accuracy_after} | "
+        f"{result.model} | {result.seconds + result.feature_seconds:.0f} s"
+    )
+
+
 @config_command(app, AcceptanceConfig)
 def acceptance(config: AcceptanceConfig) -> None:
     """Offline acceptance: α, α at draft positions 1-3, τ(k), best k and predicted speedup, per draft."""
@@ -353,6 +365,9 @@ def export(
     ] = None,
     quant: Annotated[str, typer.Option(help=f"GGUF type: {', '.join(QUANT_TYPES)}.")] = DEFAULT_QUANT,
     keep_f16: Annotated[bool, typer.Option(help="Keep the F16 GGUF the quantization started from.")] = False,
+    target_model_dir: Annotated[
+        Path | None, typer.Option(help="An EAGLE-3 head's target (its tokenizer and config): the head's GGUF.")
+    ] = None,
 ) -> None:
     """HF -> GGUF with llama.cpp's own converter, then quantize with libllama (atomic); or, with --for vllm|sglang,
     a run's merged target and chosen draft as HF folders with that engine's command for them."""
@@ -365,7 +380,8 @@ def export(
         return
     if model is None or out is None:
         raise SpectuneError("--for gguf: give --model MODEL and --out FILE.gguf")
-    path = export_model(resolve_model(model), out, quant, keep_f16=keep_f16)
+    target = resolve_model(target_model_dir) if target_model_dir else None
+    path = export_model(resolve_model(model), out, quant, keep_f16=keep_f16, target_model_dir=target)
     console.print(f"{path} ({path.stat().st_size / 1e6:.1f} MB, {quant})")
 
 
@@ -568,6 +584,13 @@ def print_story(summary: dict[str, Any], layout: RunLayout) -> None:
     console.print()
     console.print(table)
     chosen = layout.read_chosen_pair()
+    if chosen.get("eagle3"):
+        console.print(
+            f"\nThe pair serves an EAGLE-3 head at k = {chosen['k']}: llama.cpp runs it, spectune's own loop cannot. "
+            f"Serve it: {layout.server_script}, or spectune serve --run {layout.root} --engine llama.cpp; measure "
+            f"it: python benchmarks/eagle3.py {layout.root}"
+        )
+        return
     best = summary["bench"][chosen["draft_name"]]
     profile = best["profile"]
     console.print(

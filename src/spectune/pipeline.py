@@ -52,6 +52,7 @@ from spectune.train.draft import (
     method_problems,
     train_draft,
 )
+from spectune.train.eagle3 import EAGLE3, Eagle3Config, Eagle3Settings, check_target, train_eagle3
 from spectune.train.plan import parse_memory, plan_report, read_shape
 from spectune.train.target import FinetuneConfig, FinetuneSettings, MergeConfig, finetune, merge
 
@@ -101,6 +102,12 @@ class DraftsSettings(DraftSettings):
         None,
         description="N-gram lookup drafting ({} for the defaults): measured by acceptance and bench as `ngram` and "
         "`ngram+DRAFT`, served where it predicts best; its domain table from seqkd's target answers.",
+    )
+    eagle3: Eagle3Settings | None = Field(
+        None,
+        description="An EAGLE-3 head for the tuned target ({} for the defaults), trained on seqkd's target answers "
+        "(else the train dialogues); exported and measured by acceptance as `eagle3`; llama.cpp runs it "
+        "(benchmarks/eagle3.py, serve --engine llama.cpp). Needs a target llama.cpp takes layer inputs from.",
     )
 
     @model_validator(mode="after")
@@ -235,9 +242,11 @@ class Context:
     resuming: bool = False
 
     def drafts(self) -> dict[str, Path]:
-        """Every draft's HF folder by name: the untrained control first, then each method's."""
+        """Every draft's HF folder by name: the untrained control first, then each method's, then the EAGLE-3
+        head where there is one."""
         trained = {m: Path(self.outputs[f"draft:{m}"]["model"]) for m in self.config.drafts.methods}
-        return {CONTROL_DRAFT: Path(self.outputs["base-draft"]["draft"]), **trained}
+        head = {EAGLE3: Path(self.outputs[EAGLE3]["model"])} if self.config.drafts.eagle3 is not None else {}
+        return {CONTROL_DRAFT: Path(self.outputs["base-draft"]["draft"]), **trained, **head}
 
     @property
     def merged(self) -> Path:
@@ -275,12 +284,14 @@ def data_stage(context: Context) -> dict[str, Any]:
 
 
 def target_stage(context: Context) -> dict[str, Any]:
-    """The base target: fetched, the user's folder, or a demo pair built (with its draft and measured profile)."""
+    """The base target: fetched, the user's folder, or a demo pair built (with its draft and measured profile).
+    A target an EAGLE-3 head cannot draft for in llama.cpp is refused here, before any training."""
     section = context.config.models
-    if section.fetch is not None:
-        return {"target": str(fetch(section.fetch))}
-    if section.target is not None:
-        return {"target": str(resolve_model(section.target))}
+    if section.fetch is not None or section.target is not None:
+        target = fetch(section.fetch) if section.fetch is not None else resolve_model(section.target)
+        if context.config.drafts.eagle3 is not None:
+            check_target(target)
+        return {"target": str(target)}
     folder = build_pair(section.size, section.models_dir)
     profile = profile_pair(folder, context.layout.quant)
     with atomic_path(context.layout.profile) as tmp:
@@ -340,6 +351,15 @@ def draft_stage(context: Context, method: str) -> dict[str, Any]:
     return {**train_draft(config).model_dump(mode="json"), "eval_hash": path_hash(context.layout.eval_file)}
 
 
+def eagle3_stage(context: Context) -> dict[str, Any]:
+    """The EAGLE-3 head, on the tuned target's own answers where seqkd made them (else the train dialogues)."""
+    settings = context.config.drafts.eagle3
+    assert settings is not None  # the stage exists only with a drafts.eagle3 section
+    inputs = train_inputs(context, context.layout.draft_dir(EAGLE3)) | {"data": domain_data(context)}
+    result = train_eagle3(Eagle3Config(target=context.merged, **inputs, **settings.model_dump()))
+    return {**result.model_dump(mode="json"), "eval_hash": path_hash(context.layout.eval_file)}
+
+
 def acceptance_config(context: Context, drafts: dict[str, Path], **overrides: Any) -> AcceptanceConfig:
     """The offline meter on the run's held-out prompts with these drafts (the acceptance stage's, or a benchmark's
     with other drafts), the run's acceptance settings with `overrides`."""
@@ -391,7 +411,8 @@ def bench_stage(context: Context) -> dict[str, Any]:
     layout = context.layout
     config = BenchConfig(
         target=layout.gguf(TARGET),
-        drafts={name: layout.gguf(name) for name in context.drafts()},
+        # an EAGLE-3 head runs only in llama.cpp's own loop: benchmarks/eagle3.py measures it
+        drafts={name: layout.gguf(name) for name in context.drafts() if name != EAGLE3},
         data=layout.eval_file,
         out=layout.bench_dir,
         recommended_k={row["name"]: row["recommended_k"] for row in context.outputs["acceptance"]["drafts"]},
@@ -418,6 +439,10 @@ def _eval_file(context: Context) -> list[Path]:
     return [context.layout.eval_file]
 
 
+def _domain_file(context: Context) -> list[Path]:
+    return [domain_data(context)]
+
+
 def _eval_and_domain_files(context: Context) -> list[Path]:
     return [context.layout.eval_file, *([domain_data(context)] if context.config.drafts.ngram else [])]
 
@@ -442,6 +467,8 @@ def _data_files(context: Context) -> list[Path]:
 def stages(config: RunConfig) -> list[Stage]:
     """The pipeline: each stage with the settings it reads, the stages it needs and the files it reads."""
     drafts = tuple(f"draft:{method}" for method in config.drafts.methods)
+    head = (EAGLE3,) if config.drafts.eagle3 is not None else ()
+    seqkd = tuple(name for name in drafts if name == "draft:seqkd")  # its answers are the head's data
     bases = ("merge", "base-draft")  # the tuned target and the untrained control draft
     return [
         Stage("data", data_stage, lambda c: c.data, reads=_data_files),
@@ -470,12 +497,16 @@ def stages(config: RunConfig) -> list[Stage]:
             )
             for method in config.drafts.training_order()
         ),
-        Stage("export", export_stage, lambda c: [c.export, c.threads], (*bases, *drafts), _eval_file),
+        *(
+            Stage(EAGLE3, eagle3_stage, lambda c: [c.drafts.eagle3, c.data.seed], ("merge", *seqkd), _domain_file)
+            for _ in head
+        ),
+        Stage("export", export_stage, lambda c: [c.export, c.threads], (*bases, *drafts, *head), _eval_file),
         Stage(
             "acceptance",
             acceptance_stage,
             lambda c: [c.acceptance, c.export, c.threads, c.drafts.ngram],
-            ("target", *bases, *drafts, "export"),
+            ("target", *bases, *drafts, *head, "export"),
             _eval_and_domain_files,
         ),
         Stage(
@@ -613,6 +644,10 @@ FIGURES: dict[str, Callable[[dict[str, Any]], str]] = {
     "merge": lambda out: f"into the {out['merged_into']}, logits within {out['max_logit_diff']:.0e} of base + adapter",
     "base-draft": lambda out: out["draft"],
     "draft": lambda out: f"{out['method']}, {out['steps']} steps, {_losses(out)}",
+    "eagle3": lambda out: (
+        f"{out['steps']} steps, {out['parameters']:,} parameters, held-out accuracy by draft step "
+        f"{out['accuracy_before']} -> {out['accuracy_after']}"
+    ),
     "export": lambda out: f"{len(out['files'])} GGUFs at {out['reports']['quant']}",
     "acceptance": lambda out: (
         "accepted "

@@ -57,12 +57,14 @@ def run_peer(
     n_ctx: int,
     exact: bool,
     ngram_n: int = 0,
+    eagle3: bool = False,
 ) -> PeerRun:
     """One greedy speculative generation by llama.cpp, with a draft model and/or, where `ngram_n` > 0, its own
-    n-gram speculator in front; its own timings (decode only, prompt excluded)."""
+    n-gram speculator in front (`eagle3`: the draft is an EAGLE-3 head); its own timings (decode only, prompt
+    excluded)."""
     command = [
         str(binary),
-        *("-m", str(target), *speculation_flags(draft, draft_tokens, threads, ngram_n)),
+        *("-m", str(target), *speculation_flags(draft, draft_tokens, threads, ngram_n, eagle3=eagle3)),
         *("-p", prompt, "-n", str(max_tokens), "-c", str(n_ctx), "--temp", "0", "--top-k", "1"),
         *("-t", str(threads), "-tb", str(threads)),
         *(("--no-repack", "-fa", "off") if exact else ()),

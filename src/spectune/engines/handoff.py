@@ -87,6 +87,11 @@ def hand_off(config: HandoffConfig) -> dict[str, Any]:
     chosen = RunLayout(config.run).read_chosen_pair()
     if "target_hf" not in chosen:
         raise SpectuneError(f"{config.run}: its pair.json predates hand-off; run `spectune run CONFIG --only export`")
+    if chosen.get("eagle3"):
+        raise SpectuneError(
+            f"{config.run}: its pair serves an EAGLE-3 head, whose hand-off to {config.engine} is not built or checked "
+            "yet; serve it with the run's llama-server.sh (or spectune serve --engine llama.cpp)"
+        )
     target, draft = check_model_dir(chosen["target_hf"]), check_model_dir(chosen["draft_hf"])
     vocabulary = check_same_tokenizer(target, draft)
     out = config.out or config.run / "handoff" / config.engine

@@ -49,6 +49,7 @@ def server_command(
     slots: int = 1,
     model_name: str = "spectune",
     ngram_n: int = 0,
+    eagle3: bool = False,
 ) -> list[str]:
     """`llama-server` serving `target` (with `draft` and/or n-gram lookup speculating, see speculation_flags), a
     request's defaults from `decode`. The API key is not here: it goes through LLAMA_API_KEY, out of `ps`."""
@@ -56,7 +57,7 @@ def server_command(
     # -c is shared by the slots: each gets n_ctx as in spectune's own server.
     command += ["-c", str(n_ctx * slots), "-np", str(slots), "-t", str(threads), "-tb", str(threads)]
     command += ["--jinja", "--metrics", "--no-webui"]
-    command += speculation_flags(draft, decode.k, threads, ngram_n, decode.draft_p_min)
+    command += speculation_flags(draft, decode.k, threads, ngram_n, decode.draft_p_min, eagle3)
     command += ["-n", str(decode.max_tokens), "--temp", str(decode.temperature), "--top-k", str(decode.top_k)]
     command += ["--top-p", str(decode.top_p)] + (["-s", str(decode.seed)] if decode.seed is not None else [])
     command += ["--ignore-eos"] if decode.ignore_eos else []
@@ -66,13 +67,15 @@ def server_command(
 
 
 def speculation_flags(
-    draft: Path | None, draft_max: int, threads: int, ngram_n: int = 0, p_min: float = 0.0
+    draft: Path | None, draft_max: int, threads: int, ngram_n: int = 0, p_min: float = 0.0, eagle3: bool = False
 ) -> list[str]:
     """llama.cpp's flags for speculating as spectune's loop does: `draft` proposing up to `draft_max` tokens,
     greedy, stopping below `p_min` confidence (0: never early), and where `ngram_n` > 0 its ngram-simple in front
     (the context's continuation after its last `ngram_n` tokens; its default n-gram of 12 tokens is sized for
-    code). Shared by llama-server and llama-speculative-simple."""
-    spec_types = ["ngram-simple"] * bool(ngram_n) + ["draft-simple"] * (draft is not None)
+    code). `eagle3`: the draft is an EAGLE-3 head, which drafts from the target's layer inputs. Shared by
+    llama-server and llama-speculative-simple."""
+    draft_type = "draft-eagle3" if eagle3 else "draft-simple"
+    spec_types = ["ngram-simple"] * bool(ngram_n) + [draft_type] * (draft is not None)
     flags = ["--spec-type", ",".join(spec_types), "--spec-draft-n-max", str(draft_max)] if spec_types else []
     if ngram_n:
         flags += ["--spec-ngram-simple-size-n", str(ngram_n), "--spec-ngram-simple-size-m", str(draft_max)]

@@ -63,8 +63,9 @@ def declared_pre_tokenizer(model_dir: Path) -> str | None:
     return json.loads(config.read_text(encoding="utf-8")).get("spectune_pre_tokenizer")
 
 
-def run_converter(model_dir: Path, out_file: Path, outtype: str) -> None:
-    """Run convert_hf_to_gguf.py in a subprocess, writing `out_file` (the caller makes that atomic)."""
+def run_converter(model_dir: Path, out_file: Path, outtype: str, target_model_dir: Path | None = None) -> None:
+    """Run convert_hf_to_gguf.py in a subprocess, writing `out_file` (the caller makes that atomic). An EAGLE-3
+    head needs `target_model_dir`: the target it drafts for, whose tokenizer and config the converter reads."""
     if not any((model_dir / name).is_file() for name in ("tokenizer.json", "tokenizer.model")):
         raise SpectuneError(f"{model_dir}: no tokenizer.json or tokenizer.model (the GGUF needs the tokenizer)")
     folder = converter_dir()
@@ -73,12 +74,13 @@ def run_converter(model_dir: Path, out_file: Path, outtype: str) -> None:
         "-m",
         "spectune.export._run_converter",
         str(folder),
-        declared_pre_tokenizer(model_dir) or "",
+        declared_pre_tokenizer(target_model_dir or model_dir) or "",
         str(model_dir),
         "--outfile",
         str(out_file),
         "--outtype",
         outtype,
+        *(("--target-model-dir", str(target_model_dir)) if target_model_dir else ()),
     ]
     result = subprocess.run(command, capture_output=True, text=True)
     if result.returncode != 0 and "not supported" in result.stderr:

@@ -32,14 +32,17 @@ def check_quant(quant: str) -> str:
     return name
 
 
-def convert(model_dir: str | Path, out_file: str | Path, outtype: str = "F16") -> Path:
-    """Convert an HF model folder to a GGUF file of `outtype` (F32, F16, BF16 or Q8_0)."""
+def convert(
+    model_dir: str | Path, out_file: str | Path, outtype: str = "F16", target_model_dir: Path | None = None
+) -> Path:
+    """Convert an HF model folder to a GGUF file of `outtype` (F32, F16, BF16 or Q8_0); an EAGLE-3 head with the
+    target it drafts for."""
     outtype = check_quant(outtype)
     if outtype not in CONVERTER_TYPES:
         raise SpectuneError(f"the converter writes {', '.join(CONVERTER_TYPES)}; {outtype} needs quantize()")
     out_file = Path(out_file)
     with atomic_path(out_file) as tmp:
-        run_converter(Path(model_dir), tmp, CONVERTER_TYPES[outtype])
+        run_converter(Path(model_dir), tmp, CONVERTER_TYPES[outtype], target_model_dir)
     return out_file
 
 
@@ -75,20 +78,25 @@ def quantize(in_file: str | Path, out_file: str | Path, quant: str = DEFAULT_QUA
 
 
 def export_model(
-    model_dir: str | Path, out_file: str | Path, quant: str = DEFAULT_QUANT, keep_f16: bool = False
+    model_dir: str | Path,
+    out_file: str | Path,
+    quant: str = DEFAULT_QUANT,
+    keep_f16: bool = False,
+    target_model_dir: Path | None = None,
 ) -> Path:
     """HF folder -> GGUF of `quant`; other quant types go through an F16 GGUF that libllama quantizes, made in a
-    private temporary folder (kept as OUT.f16.gguf with `keep_f16`), so no file beside `out_file` is touched."""
+    private temporary folder (kept as OUT.f16.gguf with `keep_f16`), so no file beside `out_file` is touched. An
+    EAGLE-3 head takes `target_model_dir`, the target it drafts for."""
     quant = check_quant(quant)
     model_dir, out_file = Path(model_dir), Path(out_file)
     if not model_dir.is_dir():
         raise SpectuneError(f"{model_dir}: no such model folder")
     if quant in CONVERTER_TYPES:
-        return convert(model_dir, out_file, quant)
+        return convert(model_dir, out_file, quant, target_model_dir)
     scratch = scratch_path(out_file, "f16")
     scratch.mkdir(parents=True, exist_ok=True)
     try:
-        intermediate = convert(model_dir, scratch / "model.f16.gguf", "F16")
+        intermediate = convert(model_dir, scratch / "model.f16.gguf", "F16", target_model_dir)
         quantize(intermediate, out_file, quant)
         if keep_f16:
             os.replace(intermediate, out_file.with_name(out_file.stem + ".f16.gguf"))

@@ -21,7 +21,7 @@ from spectune.errors import SpectuneError
 from spectune.export.gguf import QUANT_TYPES, check_quant, export_model
 from spectune.export.llama_flags import check_command
 from spectune.layout import CHOSEN_PAIR, CONTROL_DRAFT, DEFAULT_QUANT, EXPORT_REPORT, SERVER_SCRIPT, TARGET, gguf_name
-from spectune.models.load import load_tokenizer
+from spectune.models.load import is_eagle3_head, load_tokenizer
 from spectune.models.resolve import MODEL_REFERENCE, resolve_model
 from spectune.models.tokenizer_check import check_template, check_tokenizer
 from spectune.runtime.decode import DecodeSettings
@@ -158,7 +158,13 @@ def export_pair(config: ExportPairConfig) -> dict[str, Any]:
     }
     for name, folder in config.drafts.items():
         draft_file = config.out / gguf_name(name, quant)
-        report["models"][name] = export_checked(folder, draft_file, quant, conversations, fidelity_n, config.keep_f16)
+        if is_eagle3_head(folder):  # the target's tokenizer, checked with it; no standalone model to compare
+            export_model(folder, draft_file, quant, keep_f16=config.keep_f16, target_model_dir=config.target)
+            report["models"][name] = {"gguf": str(draft_file), "bytes": draft_file.stat().st_size, "eagle3": True}
+        else:
+            report["models"][name] = export_checked(
+                folder, draft_file, quant, conversations, fidelity_n, config.keep_f16
+            )
         report["pairs"][name] = check_pair(target_file, draft_file)
     with atomic_path(config.out / EXPORT_REPORT) as tmp:
         tmp.write_text(json.dumps(report, indent=2))
@@ -175,8 +181,10 @@ def write_pair(config: ExportPairConfig, acceptance: dict[str, Any] | None) -> d
     name = variant.removeprefix(f"{NGRAM}+")
     ngram = acceptance["ngram"] if acceptance and variant != name else None
     draft_file = config.out / gguf_name(name, quant)
+    eagle3 = is_eagle3_head(Path(config.drafts[name]))
     # Paths relative to pair.json's folder: the run folder can be moved, copied to a server, served from anywhere.
     chosen = {"target": target_file.name, "draft": draft_file.name, "draft_name": name, "k": k, "ngram": ngram}
+    chosen["eagle3"] = eagle3
     chosen["ngram_data"] = (
         os.path.relpath(Path(acceptance["ngram_data"]).resolve(), config.out.resolve())
         if ngram and acceptance and acceptance.get("ngram_data")
@@ -196,6 +204,7 @@ def write_pair(config: ExportPairConfig, acceptance: dict[str, Any] | None) -> d
         thread_count(config.threads),
         port=8080,
         ngram_n=ngram["min_n"] if ngram else 0,
+        eagle3=eagle3,
     )
     check_command(command)
     llama_server = shlex.join(command)

@@ -60,3 +60,12 @@ def save_tokenizer(tokenizer: Any, out: Path) -> None:
     source = Path(tokenizer.name_or_path) / "tokenizer.model"
     if source.is_file() and not (out / "tokenizer.model").exists():
         shutil.copy2(source, out / "tokenizer.model")
+
+
+def is_eagle3_head(folder: Path) -> bool:
+    """Whether an HF folder is an EAGLE-3 head (config.json as llama.cpp's converter recognises one)."""
+    config = folder / "config.json"
+    if not config.is_file():
+        return False
+    loaded = json.loads(config.read_text())
+    return "draft_vocab_size" in loaded and loaded.get("num_hidden_layers") == 1

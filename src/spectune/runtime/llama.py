@@ -84,6 +84,12 @@ class LlamaModel:
         self.path = Path(path)
         if not self.path.is_file():
             raise SpectuneError(f"{self.path}: no such GGUF file")
+        if is_eagle3_gguf(self.path):
+            raise SpectuneError(
+                f"{self.path} is an EAGLE-3 head: llama.cpp runs it only beside its target (--spec-type draft-eagle3: "
+                "spectune serve --engine llama.cpp, benchmarks/eagle3.py). spectune's own loop cannot hand it the "
+                "target's layer inputs: llama-cpp-python binds no layer-input API (llama.cpp's own is internal)."
+            )
         init_backend()
         self.lib = llama_cpp
         self.exact = exact
@@ -255,3 +261,11 @@ def read_vocab(path: str | Path) -> VocabInfo:
         )
     finally:
         llama_cpp.llama_model_free(model)
+
+
+def is_eagle3_gguf(path: str | Path) -> bool:
+    """Whether a GGUF is an EAGLE-3 head (llama.cpp runs it only beside its target, as `--spec-type draft-eagle3`)."""
+    from gguf import GGUFReader
+
+    field = GGUFReader(path).fields.get("general.architecture")
+    return field is not None and bytes(field.parts[field.data[0]]).decode() == "eagle3"

@@ -28,8 +28,11 @@ FILLER = "The quick brown fox jumps over the lazy dog while the river runs to th
 
 
 def gguf_weights(path: str | Path) -> Weights:
-    """A GGUF's weights in the bytes they are stored in (a tied model has no `output.weight`)."""
+    """A GGUF's weights in the bytes they are stored in (a tied model has no `output.weight`; an EAGLE-3 head has no
+    embedding table of its own)."""
     tensors = {tensor.name: tensor for tensor in GGUFReader(path).tensors}
+    if "token_embd.weight" not in tensors and "fc.weight" in tensors:  # an EAGLE-3 head reads a row of the target's
+        return Weights(total=sum(int(tensor.n_bytes) for tensor in tensors.values()), embedding=0, rows=1, tied=False)
     if "token_embd.weight" not in tensors:
         raise SpectuneError(f"{path}: no token_embd.weight tensor (not a language model GGUF?)")
     embedding = tensors["token_embd.weight"]

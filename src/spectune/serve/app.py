@@ -35,7 +35,7 @@ from spectune.layout import RunLayout
 from spectune.runtime.build import identity_verdict
 from spectune.runtime.chat import CLAUSE_END, chat_tokens
 from spectune.runtime.decode import DecodeSettings
-from spectune.runtime.llama import LlamaModel
+from spectune.runtime.llama import LlamaModel, is_eagle3_gguf
 from spectune.runtime.ngram import NgramDrafter, NgramSettings, NgramTable, domain_of_texts
 from spectune.runtime.speculative import FirstWords, Generation, SpeculativeDecoder, Stats
 from spectune.serve.schema import ChatRequest, lone_surrogate, unsupported_parameter
@@ -117,6 +117,11 @@ class ServeConfig(DecodeSettings):
                 self.ngram_data = Path(chosen["ngram_data"]) if use_data else self.ngram_data
         if self.target is None:
             raise ValueError("give --target (and --draft), or --run RUN_DIR")
+        if self.engine == "spectune" and self.draft is not None and self.draft.is_file() and is_eagle3_gguf(self.draft):
+            raise ValueError(
+                f"{self.draft} is an EAGLE-3 head: serve it with --engine llama.cpp (spectune's own loop cannot hand "
+                "it the target's layer inputs)"
+            )
         self.draft_max = self.k
         return self
 

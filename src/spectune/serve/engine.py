@@ -11,6 +11,7 @@ from typing import IO
 from spectune.engines.llama_cpp import SERVER, built_tool
 from spectune.engines.llama_server import LlamaServer, server_command, server_env
 from spectune.export.llama_flags import check_command
+from spectune.runtime.llama import is_eagle3_gguf
 from spectune.serve.app import ServeConfig
 from spectune.threads import thread_count
 
@@ -32,6 +33,7 @@ def start_llama_server(config: ServeConfig, log: IO[str] | None = None, ready: f
         slots=config.slots,
         model_name=config.model_name,
         ngram_n=config.ngram.min_n if config.ngram else 0,
+        eagle3=config.draft is not None and is_eagle3_gguf(config.draft),
     )
     check_command(command)  # a flag the pinned llama.cpp does not know fails here, not in the child
     host = f"[{config.host}]" if ":" in config.host else config.host

@@ -26,7 +26,7 @@ from spectune.data.prepare import read_prompts
 from spectune.data.read import assistant_turns
 from spectune.errors import SpectuneError
 from spectune.layout import TARGET
-from spectune.models.load import load_tokenizer
+from spectune.models.load import is_eagle3_head, load_tokenizer
 from spectune.models.resolve import MODEL_REFERENCE, resolve_model
 from spectune.runtime.decode import DEFAULT_MAX_TOKENS
 from spectune.runtime.ngram import NGRAM, NgramDrafter, NgramSettings, NgramTable, domain_of_texts
@@ -42,6 +42,7 @@ from spectune.speedup import (
 )
 from spectune.threads import configure_torch_threads
 from spectune.train.common import greedy_answer
+from spectune.train.eagle3 import chain_matches, load_head
 
 HERE = "here"  # the key of a profile measured on this machine
 
@@ -155,14 +156,17 @@ class Replay:
 Lookup = Callable[[int, int], list[bool] | None]
 
 
-def simulate_tau(matches: list[list[bool]], k: int, lookup: Lookup | None = None, model: bool = True) -> Replay:
+def simulate_tau(
+    matches: list[list[bool]], k: int, lookup: Lookup | None = None, model: bool = True, chains: Lookup | None = None
+) -> Replay:
     """Greedy speculative decoding replayed on per-position draft==target flags, as the engine runs it.
 
     The first token is the target's own, in a step of its own (the caller's first words never wait for the draft).
     From then on, at position i the draft proposes up to k tokens; the accepted prefix is the run of matches from i,
     and the verify step adds one token of its own (the correction, or the bonus token after k accepted). With
     `lookup`, a step where the lookup proposes verifies its proposal instead (the runtime's order); without a draft
-    `model`, a step where it does not is the target's own.
+    `model`, a step where it does not is the target's own. A draft whose proposal depends on where it starts (an
+    EAGLE-3 head drafts from its own features) gives its flags per start position as `chains`.
     """
     replay = Replay(0.0, Counter(), [0] * k, [0] * k)
     tokens = 0
@@ -176,6 +180,8 @@ def simulate_tau(matches: list[list[bool]], k: int, lookup: Lookup | None = None
                 flags = looked_up[: min(k, len(sequence) - position)]
                 replay.looked_up_steps += 1
                 replay.looked_up_drafted += len(flags)
+            elif chains is not None:
+                flags = chains(index, position)[: min(k, len(sequence) - position)]
             else:
                 flags = sequence[position : position + k] if model else []
             replay.drafted += len(flags)
@@ -247,14 +253,17 @@ def acceptance_row(
     lookup: Lookup | None = None,
     model: bool = True,
     alpha_sampled: float | None = None,
+    chains: Lookup | None = None,
 ) -> DraftAcceptance:
     """A draft's (or n-gram variant's) figures from its replays at every k. A looked-up token costs nothing: the
-    draft model's c is paid on its share of the drafted tokens."""
-    replays = {k: simulate_tau(matches, k, lookup, model) for k in range(1, MAX_DRAFT_LEN + 1)}
+    draft model's c is paid on its share of the drafted tokens. With `chains`, `matches` holds each chain's first
+    flag, none at position 0 (the target's own first token): α is acceptance at draft position 1, as for a draft
+    model."""
+    replays = {k: simulate_tau(matches, k, lookup, model, chains) for k in range(1, MAX_DRAFT_LEN + 1)}
     tau_sim = {k: replay.tau for k, replay in replays.items()}
     deepest = replays[MAX_DRAFT_LEN]
     if lookup is None:
-        flat = [m for sequence in matches for m in sequence]
+        flat = [m for sequence in matches for m in (sequence[1:] if chains else sequence)]
         alpha = sum(flat) / len(flat) if flat else 0.0
         tokens, tau_formula = len(flat), {k: expected_tokens(alpha, k) for k in range(1, MAX_DRAFT_LEN + 1)}
     else:  # the lookup's proposals are not one per position: α is the share of drafted tokens accepted
@@ -296,15 +305,23 @@ def measure(
     max_tokens: int,
     temperature: float = 0.0,
     ngram: tuple[NgramSettings, NgramTable] | None = None,
+    heads: dict[str, Any] | None = None,
 ) -> list[DraftAcceptance]:
-    """Acceptance of every draft against the target's own greedy answers to `prompts` (`profiles`: each draft's);
-    with `ngram` (its settings and domain table), of lookup alone (`ngram`) and in front of each draft."""
+    """Acceptance of every draft against the target's own greedy answers to `prompts` (`profiles`: each draft's
+    and EAGLE-3 head's); with `ngram` (its settings and domain table), of lookup alone (`ngram`) and in front of
+    each draft. `heads`: EAGLE-3 heads by name, run on the target's hidden states."""
+    heads = heads or {}
     pairs = target_continuations(target, tokenizer, prompts, max_tokens)
     target_logits = [teacher_forced(target, p, a) for p, a in pairs] if temperature > 0 else []
-    results, all_matches = [], {}
+    results, all_matches, all_chains = [], {}, {}
     for name, draft in drafts.items():
         all_matches[name], alpha_sampled = draft_matches(draft, pairs, target_logits, temperature)
         results.append(acceptance_row(name, all_matches[name], profiles[name], alpha_sampled=alpha_sampled))
+    for name, head in heads.items():
+        per_answer = [chain_matches(head, target, prompt, answer) for prompt, answer in pairs if answer]
+        all_chains[name] = lambda index, position, chains=per_answer: chains[index][position]
+        all_matches[name] = [[False] + [chain[0] for chain in chains[1:]] for chains in per_answer]
+        results.append(acceptance_row(name, all_matches[name], profiles[name], chains=all_chains[name]))
     if ngram is not None:
         answered = [(prompt, answer) for prompt, answer in pairs if answer]
         configured = target.generation_config.eos_token_id
@@ -313,8 +330,9 @@ def measure(
         lengths = [[False] * len(answer) for _, answer in answered]
         free = [dataclasses.replace(profile, cost_ratio=0.0) for profile in next(iter(profiles.values()))]
         results.append(acceptance_row(NGRAM, lengths, free, lookup, model=False))
-        for name in drafts:
-            results.append(acceptance_row(f"{NGRAM}+{name}", all_matches[name], profiles[name], lookup))
+        for name in all_matches:
+            chains = all_chains.get(name)
+            results.append(acceptance_row(f"{NGRAM}+{name}", all_matches[name], profiles[name], lookup, chains=chains))
     return results
 
 
@@ -323,7 +341,8 @@ def encode(tokenizer: Any, text: str, special: bool) -> list[int]:
     return tokenizer.encode(text, add_special_tokens=special)
 
 
-def load_models(target: Path, drafts: dict[str, Path]) -> tuple[Any, dict[str, Any], Any]:
+def load_models(target: Path, drafts: dict[str, Path]) -> tuple[Any, dict[str, Any], dict[str, Any], Any]:
+    """The target, the draft models, the EAGLE-3 heads (on the target's embedding) and the tokenizer."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -331,11 +350,18 @@ def load_models(target: Path, drafts: dict[str, Path]) -> tuple[Any, dict[str, A
         return AutoModelForCausalLM.from_pretrained(str(path), local_files_only=True, dtype=torch.float32).eval()
 
     target = resolve_model(target)
-    return load(target), {name: load(resolve_model(path)) for name, path in drafts.items()}, load_tokenizer(target)
+    target_model = load(target)
+    paths = {name: resolve_model(path) for name, path in drafts.items()}
+    models = {name: load(path) for name, path in paths.items() if not is_eagle3_head(path)}
+    heads = {name: load_head(path, target_model) for name, path in paths.items() if is_eagle3_head(path)}
+    return target_model, models, heads, load_tokenizer(target)
 
 
 def module_weights(model: Any) -> Weights:
-    """An HF model's weights in elements (a tied head and embedding share one table)."""
+    """An HF model's weights in elements (a tied head and embedding share one table); an EAGLE-3 head's own (it
+    reads one row of the target's embedding)."""
+    if not hasattr(model, "get_input_embeddings"):
+        return Weights(total=sum(p.numel() for p in model.parameters()), embedding=0, rows=1, tied=False)
     embedding = model.get_input_embeddings().weight
     head = model.get_output_embeddings()
     return Weights(
@@ -390,15 +416,16 @@ def run_acceptance(config: AcceptanceConfig) -> dict[str, Any]:
     configure_torch_threads()
     measured = [read_profile(config.profile)] if config.profile is not None else []
     prompts = read_prompts(config.data)[: config.n]
-    target_model, draft_models, tokenizer = load_models(config.target, config.drafts)
-    gpu = gpu_profiles(config, target_model, draft_models)
-    profiles = {name: [*measured, gpu[name]] for name in draft_models}
+    target_model, draft_models, heads, tokenizer = load_models(config.target, config.drafts)
+    gpu = gpu_profiles(config, target_model, draft_models | heads)
+    # a measured profile is the draft model's c here: no head has one (llama.cpp's eagle3 runs only as a pair)
+    profiles = {name: [*measured, gpu[name]] for name in draft_models} | {name: [gpu[name]] for name in heads}
     ngram = None
     if config.ngram is not None:
         answers = assistant_turns(config.ngram_data) if config.ngram_data else []
         ngram = (config.ngram, domain_of_texts(config.ngram, answers, functools.partial(encode, tokenizer)))
     results = measure(
-        target_model, draft_models, tokenizer, prompts, profiles, config.max_tokens, config.temperature, ngram
+        target_model, draft_models, tokenizer, prompts, profiles, config.max_tokens, config.temperature, ngram, heads
     )
     report = {
         "target": str(config.target),

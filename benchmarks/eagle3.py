@@ -1,0 +1,158 @@
+"""The run's EAGLE-3 head beside its best standalone draft (by predicted GPU speedup), both decoded by llama.cpp's
+own loop (llama-speculative-simple: `--spec-type draft-eagle3` for the head, `draft-simple` for the draft), against
+llama.cpp's target alone (llama-server, the same GGUF, threads and exact settings): identical answers, acceptance as
+llama.cpp counts it, wall-clock speed over the target alone (all tokens over all decode seconds, each prompt's
+median run), beside the acceptance stage's offline α, τ at the recommended k, c (what a step reads of the GGUFs)
+and predicted GPU speedup, and the head's training time. spectune's own loop cannot run a head (see the README),
+so this is its bench. Runs the config's stages up to acceptance (finished ones reused), with `drafts.eagle3: {}`
+where the config has none; prompts, their count, repeats and answer length are the config's bench settings.
+
+Usage: python benchmarks/eagle3.py configs/smollm2-sgd.yaml --name smollm2_sgd --methods-seqkd
+       python benchmarks/eagle3.py demo:demo --name demo
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+from pipeline_run import command_line, config_from_command_line, write_result
+
+from spectune.bench.peer import llama_baseline, run_peer
+from spectune.bench.run import rounds, without_bos
+from spectune.data.prepare import read_prompts
+from spectune.engines.llama_cpp import SPECULATIVE_TOOL, built_tool
+from spectune.layout import CONTROL_DRAFT, TARGET
+from spectune.pipeline import Context, Run, stages
+from spectune.runtime.chat import chat_prompt
+from spectune.runtime.llama import LlamaModel
+from spectune.speedup import GPU_PROFILE
+from spectune.threads import thread_count
+from spectune.train.eagle3 import EAGLE3
+
+N_CTX = 4096
+
+
+def predicted_gpu(row: dict[str, Any]) -> float:
+    """The acceptance stage's predicted GPU speedup of a draft at its recommended k."""
+    return row["speedup"][GPU_PROFILE][str(row["recommended_k"])]
+
+
+def run_until_acceptance(run: Run) -> dict[str, dict[str, Any]]:
+    """The run's stages up to and with acceptance (finished ones reused); their outputs."""
+    table = stages(run.config)
+    last = [stage.name for stage in table].index("acceptance")
+    for number, stage in enumerate(table[: last + 1], 1):
+        run.execute(stage, number, len(table))
+    return run.outputs
+
+
+def prompt_row(index: int, runs: dict[str, list], baseline: str) -> dict[str, Any]:
+    """One prompt: per variant its median decode figures and whether every run's text is the target alone's."""
+    row: dict[str, Any] = {"prompt": index, "answer": runs[baseline][0].text, "variants": {}}
+    for name, results in runs.items():
+        row["variants"][name] = {
+            "tokens": results[0].decoded_tokens,
+            "seconds": statistics.median(r.seconds for r in results),
+            "drafted": results[0].drafted,
+            "accepted": results[0].accepted,
+            "identical": all(r.text == row["answer"] for r in results),
+        }
+    return row
+
+
+def summary(rows: list[dict[str, Any]], name: str, baseline_seconds: float, accepted: dict[str, Any]) -> dict:
+    variants = [row["variants"][name] for row in rows]
+    tokens, seconds = sum(v["tokens"] for v in variants), sum(v["seconds"] for v in variants)
+    drafted = sum(v["drafted"] for v in variants)
+    base_tokens = sum(row["variants"][TARGET]["tokens"] for row in rows)
+    result = {
+        "n": len(rows),
+        "tokens": tokens,
+        "decode_seconds": round(seconds, 3),
+        "tokens_per_second": tokens / seconds if seconds else 0.0,
+        "over_llama_cpp_target_alone": (tokens / seconds) / (base_tokens / baseline_seconds) if seconds else 0.0,
+        "identical": sum(v["identical"] for v in variants),
+        "llama_cpp_acceptance": sum(v["accepted"] for v in variants) / drafted if drafted else 0.0,
+    }
+    if name in accepted:
+        row, k = accepted[name], str(accepted[name]["recommended_k"])
+        result |= {
+            "k": row["recommended_k"],
+            "alpha": row["alpha"],
+            "tau": row["tau_simulated"][k],
+            "cost_ratio_gpu_bytes": row["cost_ratio"][GPU_PROFILE],
+            "predicted_gpu": predicted_gpu(row),
+        }
+    return result
+
+
+def bench_pair(config: Any, outputs: dict[str, Any], drafts: list[str]) -> list[dict[str, Any]]:
+    """Every prompt through llama.cpp's target alone and each draft, interleaved, after a warm-up round."""
+    layout, bench = config.layout, config.bench
+    threads = thread_count(config.threads)
+    k = {row["name"]: row["recommended_k"] for row in outputs["acceptance"]["drafts"]}
+    binary = built_tool(SPECULATIVE_TOOL)
+    target = LlamaModel(layout.gguf(TARGET), n_ctx=N_CTX, threads=threads)
+    rows = []
+    with llama_baseline(layout.gguf(TARGET), threads, N_CTX, exact=True) as alone:
+        for index, prompt in enumerate(read_prompts(layout.eval_file)[: bench.n]):
+            text = without_bos(target, chat_prompt(target, prompt.messages))
+            runs = {TARGET: lambda text=text: alone(text, bench.max_tokens)}
+            for name in drafts:
+                runs[name] = lambda name=name, text=text: run_peer(
+                    binary, layout.gguf(TARGET), layout.gguf(name), text, k[name], bench.max_tokens, threads, N_CTX,
+                    exact=True, eagle3=name == EAGLE3,
+                )  # fmt: skip
+            rows.append(prompt_row(index, rounds(runs, bench.repeats), TARGET))
+            line = "  ".join(f"{n} {v['tokens']}/{v['seconds']:.3f}s" for n, v in rows[-1]["variants"].items())
+            print(f"prompt {index + 1}: {line}", flush=True)
+    return rows
+
+
+def main() -> None:
+    switches = {
+        "--methods-seqkd": "train only seqkd beside the head (drafts.methods: [seqkd])",
+        "--one-repeat": "one timed run per prompt and variant after the warm-up (bench.repeats: 1)",
+    }
+    args = command_line(__doc__, switches)
+    config = config_from_command_line(args.config)
+    overrides: dict[str, dict[str, Any]] = {"drafts": {"eagle3": {}}} if config.drafts.eagle3 is None else {}
+    if args.methods_seqkd:
+        overrides.setdefault("drafts", {})["methods"] = ["seqkd"]
+    if args.one_repeat:
+        overrides["bench"] = {"repeats": 1}
+    config = config_from_command_line(args.config, overrides)
+    run = Run(config)
+    outputs = run_until_acceptance(run)
+    accepted = {row["name"]: row for row in outputs["acceptance"]["drafts"]}
+    standalone = [name for name in Context(config, run.layout, outputs).drafts() if name not in (CONTROL_DRAFT, EAGLE3)]
+    best = max(standalone, key=lambda name: predicted_gpu(accepted[name]))
+    drafts = [best, EAGLE3]
+    rows = bench_pair(config, outputs, drafts)
+    baseline_seconds = sum(row["variants"][TARGET]["seconds"] for row in rows)
+    commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+    changed = subprocess.run(["git", "status", "--porcelain", "src"], capture_output=True, text=True).stdout.strip()
+    head = outputs[EAGLE3]
+    result = {
+        "command": "python benchmarks/" + " ".join(Path(arg).name if i == 0 else arg for i, arg in enumerate(sys.argv)),
+        "commit": commit + (" with uncommitted changes to src/" if changed else ""),
+        "pair": run.manifest["config"]["models"],
+        "machine": f"{run.manifest['machine']}, {thread_count(config.threads)} threads",
+        "settings": {"n": len(rows), "repeats": config.bench.repeats, "max_tokens": config.bench.max_tokens},
+        "eagle3_training": {key: head[key] for key in ("steps", "seconds", "feature_seconds", "parameters")}
+        | {"aux_layers": head["aux_layers"], "draft_vocab_size": head["draft_vocab_size"]},
+        "target_alone": summary(rows, TARGET, baseline_seconds, accepted),
+        "drafts": {name: summary(rows, name, baseline_seconds, accepted) for name in drafts},
+        "prompts": rows,
+    }
+    write_result(f"eagle3_{args.name}.json", result)
+    print(json.dumps({"target_alone": result["target_alone"], "drafts": result["drafts"]}, indent=2))
+
+
+if __name__ == "__main__":
+    main()

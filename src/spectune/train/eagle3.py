@@ -1,0 +1,529 @@
+"""EAGLE-3 (Li et al. 2025): a one-layer head that drafts from the tuned target's own hidden states. Trained here on
+the target's answers, converted by llama.cpp's converter, and run by llama.cpp as `--spec-type draft-eagle3`.
+
+The head is llama.cpp's eagle3 graph (src/models/eagle3.cpp of the pinned sources) written in torch, so what
+trains here is what runs there:
+- encoder: g = fc(concat(h[a], h[b], h[c])), h[i] the input of target layer i (HF's hidden_states[i]);
+- decoder at position P reads (token[P+1], g[P]): x = concat(rmsnorm(embed(token)), rmsnorm(g)), attention on x
+  (RoPE at P) with g as the residual, a SiLU FFN; its pre-norm output is the next draft step's g;
+- logits over a reduced vocabulary (d2t: draft index -> target token); the token embedding is the target's,
+  borrowed at run time and not saved.
+Training-time test: every position starts a chain of `ttt_steps` unrolled steps. Step i of the chain started at P
+sits at position P+i and reads the head's own output of step i-1; it attends to the real (step-0) entries up to P
+and its own chain's entries, which is exactly the draft's cache when llama.cpp drafts from P. The labels are the
+target's greedy next tokens (its argmax), the only thing greedy verification accepts.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, Field, model_validator
+
+from spectune.atomic import atomic_path
+from spectune.errors import SpectuneError
+from spectune.llama_cpp_pin import llama_cpp_version
+from spectune.models.load import load_tokenizer, save_tokenizer
+from spectune.models.resolve import MODEL_REFERENCE, resolve_model
+from spectune.progress import Ticker, progress
+from spectune.speedup import MAX_DRAFT_LEN
+from spectune.threads import configure_torch_threads
+from spectune.train.common import (
+    TrainConfig,
+    TrainSettings,
+    console,
+    last_checkpoint,
+    load_task_data,
+    peak_memory_bytes,
+    read_split,
+)
+
+# HF model types whose llama.cpp graph hands its layer inputs to a draft (sets t_layer_inp) in the pinned sources.
+# qwen2 (Qwen2.5) and gemma3 do not.
+LAYER_INPUT_MODEL_TYPES = ("llama", "mistral", "qwen3", "qwen3_moe")
+EAGLE3_ARCHITECTURE = "LlamaForCausalLMEagle3"  # a name llama.cpp's converter registers for EAGLE-3 heads
+STEP_WEIGHT = 0.8  # the loss of unrolled step i weighs STEP_WEIGHT**i: later steps matter only if earlier ones hit
+REPORT = "eagle3.json"
+EAGLE3 = "eagle3"  # the head's name among a run's drafts
+
+
+class Eagle3Settings(TrainSettings):
+    """EAGLE-3 head training: the `drafts.eagle3:` section of a run config and the flags of `spectune eagle3`."""
+
+    lr: float = Field(3e-3, gt=0, description="Learning rate.")
+    draft_vocab_size: int = Field(
+        8192, ge=16, description="Tokens the head can propose: the target's most frequent greedy tokens (d2t)."
+    )
+    ttt_steps: int = Field(
+        4, ge=1, le=MAX_DRAFT_LEN, description="Training-time test: unrolled draft steps, each on the head's own g."
+    )
+    intermediate_size: int | None = Field(None, ge=1, description="The head's FFN width (default: the target's).")
+
+    @model_validator(mode="after")
+    def _no_checkpointing(self) -> Eagle3Settings:
+        if self.gradient_checkpointing:
+            raise ValueError("gradient_checkpointing: the head is one layer; there is nothing to recompute")
+        return self
+
+
+class Eagle3Config(Eagle3Settings, TrainConfig):
+    """Everything `spectune eagle3` takes. `data` is best the target's own answers (seqkd's target_answers.jsonl):
+    the labels are the target's argmax either way, but its own answers are the contexts it drafts in."""
+
+    target: Path = Field(description=f"The fine-tuned (merged) target the head drafts for: {MODEL_REFERENCE}.")
+
+
+class Eagle3Result(BaseModel):
+    model: Path
+    aux_layers: list[int]
+    draft_vocab_size: int
+    coverage: float  # share of the trained labels the draft vocabulary holds
+    parameters: int  # the head's own (the borrowed embedding excluded)
+    steps: int
+    train_dialogues: int
+    trained_tokens: int
+    feature_seconds: float  # the target's forward passes over the data
+    seconds: float  # training, evaluations included
+    accuracy_before: list[float]  # held-out top-1 accuracy against the target's argmax, by unrolled step
+    accuracy_after: list[float]
+    peak_memory_bytes: int
+    peak_memory_how: str
+
+
+def check_target(target: Path) -> dict[str, Any]:
+    """The target's config.json, or an error before any training where llama.cpp cannot run a head for it."""
+    config = json.loads((target / "config.json").read_text())
+    model_type = config.get("model_type")
+    if model_type not in LAYER_INPUT_MODEL_TYPES:
+        raise SpectuneError(
+            f"{target}: an EAGLE-3 head drafts from the target's layer inputs, and the pinned llama.cpp "
+            f"({llama_cpp_version()}) hands them over only for {', '.join(LAYER_INPUT_MODEL_TYPES)}; this target is "
+            f"{model_type!r} (its graph does not set t_layer_inp)"
+        )
+    return config
+
+
+def aux_layers(n_layers: int) -> list[int]:
+    """The target layers whose inputs the head reads: llama.cpp's converter default (low, middle, high), or for
+    the shallow test models one near each end and the middle."""
+    if n_layers >= 6:
+        return [2, n_layers // 2, n_layers - 3]
+    return [min(1, n_layers - 1), n_layers // 2, n_layers - 1]
+
+
+def head_config(target: dict[str, Any], settings: Eagle3Settings, layers: list[int], vocab: int) -> dict[str, Any]:
+    """config.json of the head: a one-layer llama with EAGLE-3's keys, as llama.cpp's converter reads it."""
+    hidden, heads = target["hidden_size"], target["num_attention_heads"]
+    rope = target.get("rope_parameters") or {"rope_theta": target.get("rope_theta", 10000.0), "rope_type": "default"}
+    return {
+        "architectures": [EAGLE3_ARCHITECTURE],
+        "model_type": "llama",
+        "hidden_size": hidden,
+        "intermediate_size": settings.intermediate_size or target["intermediate_size"],
+        "num_hidden_layers": 1,
+        "num_attention_heads": heads,
+        "num_key_value_heads": target.get("num_key_value_heads", heads),
+        "head_dim": target.get("head_dim", hidden // heads),
+        "rms_norm_eps": target["rms_norm_eps"],
+        "rope_parameters": rope,
+        "rope_theta": rope["rope_theta"],
+        "max_position_embeddings": target.get("max_position_embeddings", 4096),
+        "vocab_size": target["vocab_size"],
+        "draft_vocab_size": vocab,
+        "target_hidden_size": hidden,
+        "eagle_aux_hidden_state_layer_ids": layers,
+        "tie_word_embeddings": False,
+        "bos_token_id": target.get("bos_token_id"),
+        "eos_token_id": target.get("eos_token_id"),
+    }
+
+
+def _head_module(config: dict[str, Any], embedding: Any, d2t: Any) -> Any:
+    """The head as a torch module whose state_dict names are the ones llama.cpp's converter maps."""
+    import torch
+    from torch import nn
+
+    hidden, width = config["hidden_size"], config["intermediate_size"]
+    heads, kv_heads, head_dim = config["num_attention_heads"], config["num_key_value_heads"], config["head_dim"]
+    eps = config["rms_norm_eps"]
+
+    def linear(inputs: int, outputs: int) -> nn.Linear:
+        return nn.Linear(inputs, outputs, bias=False)
+
+    class Head(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = linear(3 * config["target_hidden_size"], hidden)
+            self.midlayer = nn.Module()
+            self.midlayer.input_layernorm = nn.RMSNorm(hidden, eps)
+            self.midlayer.hidden_norm = nn.RMSNorm(hidden, eps)
+            self.midlayer.self_attn = nn.Module()
+            for name, outputs in (("q_proj", heads), ("k_proj", kv_heads), ("v_proj", kv_heads)):
+                setattr(self.midlayer.self_attn, name, linear(2 * hidden, outputs * head_dim))
+            self.midlayer.self_attn.o_proj = linear(heads * head_dim, hidden)
+            self.midlayer.post_attention_layernorm = nn.RMSNorm(hidden, eps)
+            self.midlayer.mlp = nn.Module()
+            self.midlayer.mlp.gate_proj = linear(hidden, width)
+            self.midlayer.mlp.up_proj = linear(hidden, width)
+            self.midlayer.mlp.down_proj = linear(width, hidden)
+            self.norm = nn.RMSNorm(hidden, eps)
+            self.lm_head = linear(hidden, len(d2t))
+            self.register_buffer("d2t", d2t - torch.arange(len(d2t)))  # HF's convention: offsets, not ids
+            self.register_buffer("draft_ids", d2t, persistent=False)
+            self.register_buffer("embedding", embedding, persistent=False)
+            self.shape = (heads, kv_heads, head_dim, config["rope_parameters"]["rope_theta"])
+            self.layers = config["eagle_aux_hidden_state_layer_ids"]
+
+    return Head()
+
+
+def rope(x: Any, positions: Any, theta: float) -> Any:
+    """HF llama's rotary embedding (rotate_half); the converter permutes q and k into llama.cpp's layout."""
+    import torch
+
+    head_dim = x.shape[-1]
+    inverse = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
+    angles = positions[:, None].float() * inverse
+    cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)
+    first, second = x[..., : head_dim // 2], x[..., head_dim // 2 :]
+    return x * cos + torch.cat([-second, first], -1) * sin
+
+
+def head_step(head: Any, tokens: Any, g: Any, step: int, cache: list[tuple[Any, Any]]) -> tuple[Any, Any, Any]:
+    """Unrolled step `step` at every row P (position P + step): the pre-norm output and this step's keys and
+    values. Step 0 is causal attention over real entries; step i > 0 attends to the real entries up to P and to
+    its own chain's earlier entries (`cache`: the keys and values of steps 0..i-1)."""
+    import torch
+    import torch.nn.functional as F
+
+    layer, (heads, kv_heads, head_dim, theta) = head.midlayer, head.shape
+    batch, length, _ = g.shape
+    x = torch.cat([layer.input_layernorm(head.embedding[tokens]), layer.hidden_norm(g)], -1)
+    positions = torch.arange(length) + step
+
+    def split(projection: Any, n: int) -> Any:
+        return projection(x).view(batch, length, n, head_dim).transpose(1, 2)
+
+    q = rope(split(layer.self_attn.q_proj, heads), positions, theta)
+    k = rope(split(layer.self_attn.k_proj, kv_heads), positions, theta)
+    v = split(layer.self_attn.v_proj, kv_heads)
+    expand = heads // kv_heads
+    if not cache:
+        out = F.scaled_dot_product_attention(
+            q, k.repeat_interleave(expand, 1), v.repeat_interleave(expand, 1), is_causal=True
+        )
+    else:
+        real_k, real_v = (t.repeat_interleave(expand, 1) for t in cache[0])
+        chain = [(ck.repeat_interleave(expand, 1), cv.repeat_interleave(expand, 1)) for ck, cv in cache[1:]]
+        chain.append((k.repeat_interleave(expand, 1), v.repeat_interleave(expand, 1)))
+        scale = 1.0 / math.sqrt(head_dim)
+        causal = torch.ones(length, length, dtype=torch.bool).tril()
+        real = (q @ real_k.transpose(-1, -2) * scale).masked_fill(~causal, float("-inf"))
+        own = torch.stack([(q * ck).sum(-1) * scale for ck, _ in chain], -1)
+        weights = torch.cat([real, own], -1).softmax(-1)
+        out = weights[..., :length] @ real_v
+        out = out + (weights[..., length:, None] * torch.stack([cv for _, cv in chain], -2)).sum(-2)
+    attended = layer.self_attn.o_proj(out.transpose(1, 2).reshape(batch, length, heads * head_dim)) + g
+    mlp = layer.mlp
+    normed = layer.post_attention_layernorm(attended)
+    return attended + mlp.down_proj(F.silu(mlp.gate_proj(normed)) * mlp.up_proj(normed)), k, v
+
+
+def shifted(tokens: Any, by: int) -> Any:
+    """tokens[:, P + by] at every row P (0 past the end; those rows are masked)."""
+    import torch.nn.functional as F
+
+    return F.pad(tokens[:, by:], (0, by))
+
+
+def unroll(head: Any, features: Any, tokens: Any, steps: int) -> list[Any]:
+    """The pre-norm outputs of `steps` unrolled steps at every row (step i predicts token P + i + 2)."""
+    g, cache, outputs = head.fc(features), [], []
+    for step in range(steps):
+        g, k, v = head_step(head, shifted(tokens, step + 1), g, step, cache)
+        cache.append((k, v))
+        outputs.append(g)
+    return outputs
+
+
+def target_features(target: Any, layers: list[int], rows: list[list[int]], what: str) -> list[tuple[Any, Any]]:
+    """Per row of token ids: the target's inputs of `layers`, concatenated ([T, 3H]), and its argmax at each
+    position (the token it says next)."""
+    import torch
+
+    collected = []
+    for ids in progress(rows, f"the target's hidden states ({what})"):
+        with torch.no_grad():
+            out = target(input_ids=torch.tensor([ids]), output_hidden_states=True)
+        features = torch.cat([out.hidden_states[layer][0] for layer in layers], -1)
+        collected.append((features, out.logits[0].argmax(-1)))
+    return collected
+
+
+def draft_vocabulary(labels: list[Any], target_vocab: int, size: int) -> Any:
+    """The `size` target tokens most often the target's greedy choice in the training answers (ties and unseen
+    tokens by id), ascending: d2t."""
+    import torch
+
+    counts = torch.bincount(torch.cat(labels), minlength=target_vocab)
+    order = torch.argsort(-counts, stable=True)[: min(size, target_vocab)]
+    return order.sort().values
+
+
+class Batch:
+    """Rows padded to one length: features, tokens, the labels as draft-vocabulary indices (-1: not a label) per
+    unrolled step."""
+
+    def __init__(self, items: list[tuple[Any, Any, Any, Any]], to_draft: Any, steps: int) -> None:
+        import torch
+        from torch.nn.utils.rnn import pad_sequence
+
+        self.features = pad_sequence([f for f, _, _, _ in items], batch_first=True)
+        self.tokens = pad_sequence([t for _, t, _, _ in items], batch_first=True)
+        argmax = pad_sequence([a for _, _, a, _ in items], batch_first=True)
+        trained = pad_sequence([m for _, _, _, m in items], batch_first=True)  # token t is an assistant token
+        self.labels = []
+        for step in range(steps):
+            # row P of step i predicts the token after P + i + 1: the target's argmax there, if an assistant token
+            label = to_draft[shifted(argmax, step + 1)]
+            keep = shifted(trained, step + 2).bool() & (label >= 0)
+            self.labels.append(torch.where(keep, label, torch.full_like(label, -1)))
+
+
+def step_losses(head: Any, batch: Batch) -> tuple[Any, list[tuple[int, int]]]:
+    """The weighted cross-entropy over the unrolled steps, and per step (hits, labels)."""
+    import torch
+    import torch.nn.functional as F
+
+    outputs = unroll(head, batch.features, batch.tokens, len(batch.labels))
+    total, counts = torch.zeros(()), []
+    for step, (output, labels) in enumerate(zip(outputs, batch.labels, strict=True)):
+        keep = labels >= 0
+        logits = head.lm_head(head.norm(output[keep]))
+        if keep.any():
+            total = total + STEP_WEIGHT**step * F.cross_entropy(logits, labels[keep])
+        counts.append((int((logits.argmax(-1) == labels[keep]).sum()), int(keep.sum())))
+    return total, counts
+
+
+def accuracy(head: Any, batches: list[Batch]) -> list[float]:
+    """Top-1 accuracy against the target's argmax by unrolled step (teacher-forced tokens, the head's own g)."""
+    import torch
+
+    totals = [[0, 0] for _ in batches[0].labels] if batches else []
+    with torch.no_grad():
+        for batch in batches:
+            for total, (hits, labels) in zip(totals, step_losses(head, batch)[1], strict=True):
+                total[0] += hits
+                total[1] += labels
+    return [round(hits / labels, 4) if labels else 0.0 for hits, labels in totals]
+
+
+def initialise(head: Any, target: Any) -> None:
+    """A start that already predicts something: g is the highest feature layer, the head and final norm are the
+    target's own rows for the draft vocabulary, and the layer adds little until trained."""
+    import torch
+
+    with torch.no_grad():
+        hidden = head.fc.weight.shape[0]
+        head.fc.weight.zero_()
+        head.fc.weight[:, 2 * hidden :] = torch.eye(hidden)
+        head.lm_head.weight.copy_(target.get_output_embeddings().weight[head.draft_ids])
+        head.norm.weight.copy_(target.model.norm.weight)
+        for small in (head.midlayer.self_attn.o_proj, head.midlayer.mlp.down_proj):
+            small.weight.normal_(0.0, 0.002)
+
+
+def batches(items: list[tuple], size: int, to_draft: Any, steps: int) -> list[Batch]:
+    return [Batch(items[i : i + size], to_draft, steps) for i in range(0, len(items), size)]
+
+
+def resume_from(head: Any, optimizer: Any, schedule: Any, config: Eagle3Config) -> int:
+    """The step to start at: that of the last complete checkpoint with `resume` (its state loaded), else 0."""
+    import shutil
+
+    import torch
+
+    checkpoint = last_checkpoint(config.out) if config.resume else None
+    if checkpoint is None:
+        if config.resume:
+            console.print("[yellow]--resume: no complete checkpoint yet, starting from the beginning[/]")
+        shutil.rmtree(config.out / "checkpoints", ignore_errors=True)
+        return 0
+    state = torch.load(checkpoint / "head.pt", weights_only=True)
+    head.load_state_dict(state["head"], strict=False)
+    optimizer.load_state_dict(state["optimizer"])
+    schedule.load_state_dict(state["schedule"])
+    return int(checkpoint.name.split("-")[1])
+
+
+def save_checkpoint(head: Any, optimizer: Any, schedule: Any, out: Path, step: int) -> None:
+    """checkpoint-STEP/ with the head, optimizer and schedule (trainer_state.json last, as last_checkpoint expects);
+    the older one removed."""
+    import shutil
+
+    import torch
+
+    folder = out / "checkpoints" / f"checkpoint-{step}"
+    with atomic_path(folder) as tmp:
+        tmp.mkdir(parents=True)
+        state = {"head": head.state_dict(), "optimizer": optimizer.state_dict(), "schedule": schedule.state_dict()}
+        torch.save(state, tmp / "head.pt")
+        (tmp / "trainer_state.json").write_text(json.dumps({"global_step": step}))
+    for older in folder.parent.glob("checkpoint-*"):
+        if older != folder:
+            shutil.rmtree(older, ignore_errors=True)
+
+
+def fit(head: Any, items: list[tuple], to_draft: Any, config: Eagle3Config) -> int:
+    """AdamW with warm-up and cosine decay over shuffled batches; checkpoints every `save_steps`. The steps run."""
+    import torch
+
+    per_epoch = math.ceil(len(items) / config.batch_size)
+    total = config.max_steps or max(1, math.ceil(config.epochs * per_epoch / config.grad_accum))
+    warmup = max(1, total // 30)
+    optimizer = torch.optim.AdamW([p for p in head.parameters() if p.requires_grad], lr=config.lr, weight_decay=0.0)
+    schedule = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda step: min(1.0, (step + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * step / total))
+    )
+    start = resume_from(head, optimizer, schedule, config)
+    ticker = Ticker(total, "eagle3 head")
+    for step in range(start, total):
+        for micro in range(config.grad_accum):
+            index = step * config.grad_accum + micro
+            epoch, within = divmod(index, per_epoch)
+            order = torch.randperm(len(items), generator=torch.Generator().manual_seed(config.seed + epoch))
+            chosen = order[within * config.batch_size : (within + 1) * config.batch_size].tolist()
+            loss, _ = step_losses(head, Batch([items[i] for i in chosen], to_draft, config.ttt_steps))
+            (loss / config.grad_accum).backward()
+        torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
+        optimizer.step()
+        schedule.step()
+        optimizer.zero_grad()
+        if (step + 1) % config.save_steps == 0 and step + 1 < total:
+            save_checkpoint(head, optimizer, schedule, config.out, step + 1)
+        ticker.update(step + 1, f"loss {loss.item():.3f}")
+    ticker.close()
+    return total
+
+
+def save_head(head: Any, config: dict[str, Any], tokenizer: Any, out: Path) -> None:
+    """The HF layout llama.cpp's converter takes as an EAGLE-3 draft: config.json, model.safetensors (the target's
+    tokenizer beside them; the converter reads the target's own through --target-model-dir)."""
+    from safetensors.torch import save_file
+
+    with atomic_path(out) as tmp:
+        tmp.mkdir(parents=True)
+        (tmp / "config.json").write_text(json.dumps(config, indent=2))
+        save_file(
+            {name: tensor.contiguous() for name, tensor in head.state_dict().items()}, str(tmp / "model.safetensors")
+        )
+        save_tokenizer(tokenizer, tmp)
+
+
+def load_head(folder: Path, target: Any) -> Any:
+    """A saved head, on the target's token embedding, for measuring."""
+    import torch
+    from safetensors.torch import load_file
+
+    config = json.loads((folder / "config.json").read_text())
+    state = load_file(str(folder / "model.safetensors"))
+    d2t = state["d2t"] + torch.arange(len(state["d2t"]))
+    head = _head_module(config, target.get_input_embeddings().weight.detach(), d2t)
+    head.load_state_dict(state, strict=False)
+    return head.eval()
+
+
+def data_items(target: Any, data: Any, layers: list[int]) -> tuple[list[tuple], list[tuple]]:
+    """(features, tokens, argmax, assistant mask) per train and held-out row."""
+    import torch
+
+    def items(dataset: Any, what: str) -> list[tuple]:
+        rows = list(dataset["input_ids"])
+        collected = target_features(target, layers, rows, what)
+        masks = [torch.tensor(mask) for mask in dataset["assistant_masks"]]
+        return [(f, torch.tensor(ids), a, m) for (f, a), ids, m in zip(collected, rows, masks, strict=True)]
+
+    return items(data.train, "train"), items(data.eval, "held out")
+
+
+def train_eagle3(config: Eagle3Config) -> Eagle3Result:
+    """Train an EAGLE-3 head for the target on `data`; write OUT/model (HF layout) and OUT/eagle3.json."""
+    import torch
+    from transformers import AutoModelForCausalLM, set_seed
+
+    configure_torch_threads()
+    config = config.model_copy(update={"target": resolve_model(config.target)})
+    target_config = check_target(config.target)
+    set_seed(config.seed)
+    tokenizer = load_tokenizer(config.target, config.chat_template)
+    data = load_task_data(tokenizer, config, read_split(config))
+    target = AutoModelForCausalLM.from_pretrained(str(config.target), local_files_only=True, dtype=torch.float32)
+    layers = aux_layers(target_config["num_hidden_layers"])
+    started = time.perf_counter()
+    train_items, eval_items = data_items(target.eval(), data, layers)
+    feature_seconds = time.perf_counter() - started
+    labels = [argmax[shifted(mask[None], 1)[0].bool()] for _, _, argmax, mask in train_items]
+    d2t = draft_vocabulary(labels, target_config["vocab_size"], config.draft_vocab_size)
+    to_draft = torch.full((target_config["vocab_size"],), -1, dtype=torch.long)
+    to_draft[d2t] = torch.arange(len(d2t))
+    shape = head_config(target_config, config, layers, len(d2t))
+    head = _head_module(shape, target.get_input_embeddings().weight.detach(), d2t)
+    initialise(head, target)
+    del target
+    held_out = batches(eval_items, config.batch_size, to_draft, config.ttt_steps)
+    started = time.perf_counter()
+    before = accuracy(head, held_out)
+    steps = fit(head.train(), train_items, to_draft, config)
+    after = accuracy(head.eval(), held_out)
+    seconds = time.perf_counter() - started
+    save_head(head, shape, tokenizer, config.out / "model")
+    all_labels = torch.cat(labels)
+    peak, how = peak_memory_bytes()
+    result = Eagle3Result(
+        model=config.out / "model",
+        aux_layers=layers,
+        draft_vocab_size=len(d2t),
+        coverage=round(float((to_draft[all_labels] >= 0).float().mean()), 4) if len(all_labels) else 0.0,
+        parameters=sum(p.numel() for p in head.parameters()),
+        steps=steps,
+        train_dialogues=len(train_items),
+        trained_tokens=len(all_labels),
+        feature_seconds=round(feature_seconds, 2),
+        seconds=round(seconds, 2),
+        accuracy_before=before,
+        accuracy_after=after,
+        peak_memory_bytes=peak,
+        peak_memory_how=how,
+    )
+    with atomic_path(config.out / REPORT) as tmp:
+        tmp.write_text(
+            json.dumps({"config": config.model_dump(mode="json"), "result": result.model_dump(mode="json")}, indent=2)
+        )
+    console.print(f"eagle3 head: {result.parameters:,} parameters, accuracy by step {before} -> {after}")
+    return result
+
+
+def chain_matches(head: Any, target: Any, prompt: list[int], answer: list[int]) -> list[list[bool]]:
+    """At each answer position j >= 1, whether each of the head's up to MAX_DRAFT_LEN drafted tokens there is the
+    target's (`answer`: its greedy answer to `prompt`). The chain drafting answer[j] reads the target's features
+    at the position of answer[j - 2] (the prompt's last token for j = 1) with answer[j - 1], as llama.cpp does after
+    a verify step; teacher-forced tokens equal the drafted ones along every accepted prefix. Index 0: no chain (the
+    first token is the target's own)."""
+    import torch
+
+    ids = torch.tensor([prompt + answer])
+    with torch.no_grad():
+        hidden = target(input_ids=ids, output_hidden_states=True).hidden_states
+        features = torch.cat([hidden[layer] for layer in head.layers], -1)
+        outputs = unroll(head, features, ids, MAX_DRAFT_LEN)
+        drafted = [head.draft_ids[head.lm_head(head.norm(output[0])).argmax(-1)].tolist() for output in outputs]
+    chains: list[list[bool]] = [[]]
+    for j in range(1, len(answer)):
+        row = len(prompt) + j - 2
+        chains.append([drafted[i][row] == answer[j + i] for i in range(min(MAX_DRAFT_LEN, len(answer) - j))])
+    return chains

@@ -1,0 +1,135 @@
+"""EAGLE-3 heads: trained on the tuned micro target, converted by llama.cpp's converter, run by llama.cpp's own loop
+as `--spec-type draft-eagle3` with the target alone's answers, and measured offline exactly as llama.cpp accepts."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import httpx
+import pytest
+from test_serve import engine_answer
+
+from spectune.bench.peer import llama_baseline, run_peer
+from spectune.data.prepare import read_prompts
+from spectune.engines.handoff import HandoffConfig, hand_off
+from spectune.engines.llama_cpp import SERVER, SPECULATIVE_TOOL, build_llama_cpp
+from spectune.engines.llama_server import free_port, speculation_flags
+from spectune.errors import SpectuneError
+from spectune.export.gguf import export_model
+from spectune.export.pair import ExportPairConfig, export_pair
+from spectune.runtime.llama import LlamaModel, is_eagle3_gguf
+from spectune.serve.app import ServeConfig
+from spectune.serve.engine import start_llama_server
+from spectune.train.acceptance import AcceptanceConfig, load_models, run_acceptance, simulate_tau
+from spectune.train.common import greedy_answer
+from spectune.train.eagle3 import Eagle3Config, aux_layers, chain_matches, check_target, train_eagle3
+
+PROMPTS = 4
+MAX_TOKENS = 24
+
+
+def test_a_target_llama_cpp_takes_no_layer_inputs_from_is_refused_before_training(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen2"}))
+    (tmp_path / "model.safetensors").write_bytes(b"")  # what a model folder has; never read
+    with pytest.raises(SpectuneError, match="'qwen2'"):
+        check_target(tmp_path)
+    with pytest.raises(SpectuneError, match="'qwen2'"):
+        train_eagle3(Eagle3Config(target=tmp_path, data=tmp_path / "none.jsonl", out=tmp_path / "out"))
+    assert not (tmp_path / "out").exists()
+
+
+def test_aux_layers_are_layer_inputs_the_target_has():
+    assert aux_layers(30) == [2, 15, 27]  # llama.cpp's converter default for SmolLM2's 30 layers
+    for layers in range(1, 8):
+        assert all(0 <= layer < layers for layer in aux_layers(layers)) and len(aux_layers(layers)) == 3
+
+
+def test_a_head_speculates_as_draft_eagle3():
+    flags = speculation_flags(Path("h.gguf"), 4, 2, eagle3=True)
+    assert flags[flags.index("--spec-type") + 1] == "draft-eagle3"
+    assert speculation_flags(Path("d.gguf"), 4, 2)[1] == "draft-simple"
+
+
+def test_a_chain_replay_verifies_each_start_positions_own_proposal():
+    """A head's proposal depends on where it starts: the replay takes each step's flags from that position."""
+    chains = {1: [True, True, False], 4: [False]}
+    replay = simulate_tau([[False] * 5], 3, chains=lambda index, position: chains[position])
+    # target's first token; from 1: two accepted + its correction (3 tokens); from 4: none + the target's token
+    assert replay.steps == 3 and replay.tau == 5 / 3
+    assert replay.reached == [2, 1, 1] and replay.accepted == [1, 1, 0]
+
+
+@pytest.fixture(scope="module")
+def head(tuned_target, demo_data, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("eagle3")
+    config = Eagle3Config(
+        target=tuned_target, data=demo_data, out=out, max_steps=40, batch_size=8, max_seq_length=256, max_eval=16
+    )
+    result = train_eagle3(config)
+    assert result.accuracy_after[0] > result.accuracy_before[0] + 0.2  # it learned the target's next tokens
+    assert json.loads((result.model / "config.json").read_text())["draft_vocab_size"] == result.draft_vocab_size
+    return result.model
+
+
+def test_the_head_drafts_in_llama_cpp_with_the_target_alones_answers_accepting_what_the_meter_says(
+    head, tuned_target, demo_data, tmp_path
+):
+    """F32 GGUFs: every answer is the target alone's, and llama.cpp accepts exactly as many drafted tokens as the
+    offline meter's replay of the head on the target's own answers (the head in torch is llama.cpp's graph)."""
+    target_gguf = export_model(tuned_target, tmp_path / "target.gguf", "F32")
+    head_gguf = export_model(head, tmp_path / "head.gguf", "F32", target_model_dir=tuned_target)
+    assert is_eagle3_gguf(head_gguf) and not is_eagle3_gguf(target_gguf)
+    with pytest.raises(SpectuneError, match="EAGLE-3 head"):
+        LlamaModel(head_gguf)  # spectune's own loop cannot feed it
+    target, models, heads, tokenizer = load_models(tuned_target, {"eagle3": head})
+    assert not models and list(heads) == ["eagle3"]
+    tool = build_llama_cpp() / SPECULATIVE_TOOL
+    accepted = 0
+    with llama_baseline(target_gguf, 1, 1024, exact=True) as alone:
+        for prompt in read_prompts(demo_data)[-PROMPTS:]:
+            text = tokenizer.apply_chat_template(prompt.messages, tokenize=False, add_generation_prompt=True)
+            run = run_peer(tool, target_gguf, head_gguf, text, 4, MAX_TOKENS, 1, 1024, exact=True, eagle3=True)
+            assert run.text == alone(text, MAX_TOKENS).text
+            ids, answer = greedy_answer(target, tokenizer, prompt.messages, MAX_TOKENS)
+            chains = chain_matches(heads["eagle3"], target, ids, answer)
+            replay = simulate_tau([[False] * len(answer)], 4, chains=lambda index, position, c=chains: c[position])
+            assert run.accepted == sum(replay.accepted)
+            accepted += run.accepted
+    assert accepted > 0
+    report = run_acceptance(
+        AcceptanceConfig(target=tuned_target, drafts={"eagle3": head}, data=demo_data, n=PROMPTS, max_tokens=32)
+    )
+    row = report["drafts"][0]
+    assert row["name"] == "eagle3" and row["alpha"] > 0.2 and row["tau_simulated"]["4"] > 1.1
+
+
+def test_a_run_serving_its_head_hands_it_to_llama_server_only(head, tuned_target, demo_data, messages, tmp_path):
+    """export_pair exports the head beside the target; a pair that names it runs llama-server with draft-eagle3,
+    which answers as the target alone; spectune's own server and the vLLM hand-off refuse it, saying why."""
+    from openai import OpenAI
+
+    gguf = tmp_path / "run" / "gguf"
+    config = ExportPairConfig(target=tuned_target, drafts={"eagle3": head}, out=gguf, data=demo_data)
+    config = config.model_copy(update={"fidelity_dialogues": 2})
+    report = export_pair(config)
+    assert report["models"]["eagle3"]["eagle3"] and report["chosen"]["eagle3"]
+    assert "--spec-type draft-eagle3" in (gguf / "llama-server.sh").read_text()
+    with pytest.raises(ValueError, match="EAGLE-3 head"):
+        ServeConfig(run=tmp_path / "run")
+    with pytest.raises(SpectuneError, match="EAGLE-3 head"):
+        hand_off(HandoffConfig(run=tmp_path / "run", engine="vllm"))
+    served = ServeConfig(
+        run=tmp_path / "run", engine="llama.cpp", llama_server=build_llama_cpp() / SERVER, port=free_port(),
+        n_ctx=512, threads=1,
+    )  # fmt: skip
+    with open(tmp_path / "server.log", "w+") as log, start_llama_server(served, log) as server:
+        client = OpenAI(base_url=f"{server.url}/v1", api_key="unused")
+        reply = client.chat.completions.create(model="spectune", messages=messages, max_tokens=24, temperature=0)
+        metrics = httpx.get(f"{server.url}/metrics").text
+    target = gguf / report["chosen"]["target"]
+    assert reply.choices[0].message.content == engine_answer((target, None), messages, 24)
+    assert "loading draft model" in (tmp_path / "server.log").read_text()
+    drafted = re.search(r"^llamacpp:spec_decode_num_draft_tokens_total (\S+)$", metrics, re.M)
+    assert drafted is not None and float(drafted.group(1)) > 0  # the head drafted
