@@ -78,6 +78,8 @@ def test_the_head_drafts_in_llama_cpp_with_the_target_alones_answers_accepting_w
 ):
     """F32 GGUFs: every answer is the target alone's, and llama.cpp accepts exactly as many drafted tokens as the
     offline meter's replay of the head on the target's own answers (the head in torch is llama.cpp's graph)."""
+    with pytest.raises(SpectuneError, match="target-model-dir"):
+        export_model(head, tmp_path / "lost.gguf", "F32")  # the converter needs the target's tokenizer and config
     target_gguf = export_model(tuned_target, tmp_path / "target.gguf", "F32")
     head_gguf = export_model(head, tmp_path / "head.gguf", "F32", target_model_dir=tuned_target)
     assert is_eagle3_gguf(head_gguf) and not is_eagle3_gguf(target_gguf)

@@ -15,6 +15,7 @@ from spectune.atomic import atomic_path, scratch_path
 from spectune.errors import SpectuneError
 from spectune.export.converter import run_converter
 from spectune.layout import DEFAULT_QUANT
+from spectune.models.load import is_eagle3_head
 from spectune.runtime.llama import init_backend
 from spectune.threads import thread_count
 
@@ -91,6 +92,8 @@ def export_model(
     model_dir, out_file = Path(model_dir), Path(out_file)
     if not model_dir.is_dir():
         raise SpectuneError(f"{model_dir}: no such model folder")
+    if is_eagle3_head(model_dir) and target_model_dir is None:
+        raise SpectuneError(f"{model_dir} is an EAGLE-3 head: give the target it drafts for (--target-model-dir)")
     if quant in CONVERTER_TYPES:
         return convert(model_dir, out_file, quant, target_model_dir)
     scratch = scratch_path(out_file, "f16")

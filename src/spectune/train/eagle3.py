@@ -104,6 +104,9 @@ def check_target(target: Path) -> dict[str, Any]:
             f"({llama_cpp_version()}) hands them over only for {', '.join(LAYER_INPUT_MODEL_TYPES)}; this target is "
             f"{model_type!r} (its graph does not set t_layer_inp)"
         )
+    rope_type = (config.get("rope_parameters") or config.get("rope_scaling") or {}).get("rope_type", "default")
+    if rope_type != "default":
+        raise SpectuneError(f"{target}: RoPE scaling {rope_type!r}: the head trains with plain RoPE only, for now")
     return config
 
 
