@@ -1,5 +1,6 @@
-"""The README's results table, rendered from the committed results (benchmarks/results/speculative_*.json), so the
-two cannot drift: `tests/test_docs.py` checks that the README holds exactly this table.
+"""The README's results tables, rendered from the committed results (benchmarks/results/speculative_*.json, and
+eagle3_*.json for the EAGLE-3 heads), so they cannot drift: `tests/test_docs.py` checks that the README holds exactly
+these tables.
 
 Usage: python benchmarks/readme_table.py   (prints the table)
 """
@@ -23,6 +24,15 @@ HEADER = (
     "| pair (data) | draft | k | prompts | identical | acceptance | tokens per target pass | here: with the draft "
     "over the target alone | over llama.cpp's target alone: exact settings / its defaults | predicted on a GPU |\n"
     "|---|---|---|---|---|---|---|---|---|---|"
+)
+
+
+# (results file, the pair in words, its data): EAGLE-3 heads beside the best standalone draft, in llama.cpp's loop
+HEADS = (("eagle3_smollm2_sgd.json", "SmolLM2-135M-Instruct, QLoRA on SGD", "SGD dev"),)
+HEADS_HEADER = (
+    "| pair (data) | draft | k | prompts | identical | acceptance (llama.cpp's count) | α / tokens per target pass "
+    "(offline) | over llama.cpp's target alone, both in llama.cpp's loop | predicted on a GPU |\n"
+    "|---|---|---|---|---|---|---|---|---|"
 )
 
 
@@ -59,5 +69,20 @@ def table() -> str:
     return "\n".join(lines)
 
 
+def heads_table() -> str:
+    lines = [HEADS_HEADER]
+    for file, pair, data in HEADS:
+        for name, f in json.loads((RESULTS / file).read_text())["drafts"].items():
+            lines.append(
+                f"| {pair} ({data}) | {name} | {f['k']} | {f['n']} | {f['identical']}/{f['n']} "
+                f"| {f['llama_cpp_acceptance']:.1%} | {f['alpha']:.1%} / {f['tau']:.2f} "
+                f"| {f['over_llama_cpp_target_alone']:.2f}x ({f['tokens']:,} tokens) "
+                f"| {f['predicted_gpu']:.2f}x (c = {f['cost_ratio_gpu_bytes']:.3f}) |"
+            )
+    return "\n".join(lines)
+
+
 if __name__ == "__main__":
     print(table())
+    print()
+    print(heads_table())
