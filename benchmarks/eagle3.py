@@ -51,16 +51,24 @@ def run_until_acceptance(run: Run) -> dict[str, dict[str, Any]]:
     return run.outputs
 
 
-def prompt_row(index: int, runs: dict[str, list], baseline: str) -> dict[str, Any]:
+def same_answer(text: str | None, answer: str, cut: bool) -> bool:
+    """The tool's text is the target alone's; where the target stopped at the token limit (`cut`), its text
+    continued: llama-speculative-simple decodes past -n when its last verify step accepts beyond it."""
+    return text == answer or (cut and text is not None and text.startswith(answer))
+
+
+def prompt_row(index: int, runs: dict[str, list], baseline: str, max_tokens: int) -> dict[str, Any]:
     """One prompt: per variant its median decode figures and whether every run's text is the target alone's."""
     row: dict[str, Any] = {"prompt": index, "answer": runs[baseline][0].text, "variants": {}}
+    cut = runs[baseline][0].decoded_tokens >= max_tokens
     for name, results in runs.items():
         row["variants"][name] = {
             "tokens": results[0].decoded_tokens,
             "seconds": statistics.median(r.seconds for r in results),
             "drafted": results[0].drafted,
             "accepted": results[0].accepted,
-            "identical": all(r.text == row["answer"] for r in results),
+            "identical": all(same_answer(r.text, row["answer"], cut) for r in results),
+            "text": results[0].text if results[0].text != row["answer"] else "(the answer)",
         }
     return row
 
@@ -108,7 +116,7 @@ def bench_pair(config: Any, outputs: dict[str, Any], drafts: list[str]) -> list[
                     binary, layout.gguf(TARGET), layout.gguf(name), text, k[name], bench.max_tokens, threads, N_CTX,
                     exact=True, eagle3=name == EAGLE3,
                 )  # fmt: skip
-            rows.append(prompt_row(index, rounds(runs, bench.repeats), TARGET))
+            rows.append(prompt_row(index, rounds(runs, bench.repeats), TARGET, bench.max_tokens))
             line = "  ".join(f"{n} {v['tokens']}/{v['seconds']:.3f}s" for n, v in rows[-1]["variants"].items())
             print(f"prompt {index + 1}: {line}", flush=True)
     return rows
