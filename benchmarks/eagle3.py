@@ -26,6 +26,7 @@ from spectune.bench.peer import llama_baseline, run_peer
 from spectune.bench.run import rounds, without_bos
 from spectune.data.prepare import read_prompts
 from spectune.engines.llama_cpp import SPECULATIVE_TOOL, built_tool
+from spectune.gpu_card import GROUNDED_PROFILE
 from spectune.layout import CONTROL_DRAFT, TARGET
 from spectune.pipeline import Context, Run, stages
 from spectune.runtime.chat import chat_prompt
@@ -95,6 +96,8 @@ def summary(rows: list[dict[str, Any]], name: str, baseline_seconds: float, acce
             "tau": row["tau_simulated"][k],
             "cost_ratio_gpu_bytes": row["cost_ratio"][GPU_PROFILE],
             "predicted_gpu": predicted_gpu(row),
+            "cost_ratio_grounded": row["cost_ratio"][GROUNDED_PROFILE],
+            "predicted_gpu_grounded": row["speedup"][GROUNDED_PROFILE][k],
         }
     return result
 

@@ -1,6 +1,6 @@
 """The README's results tables, rendered from the committed results (benchmarks/results/speculative_*.json, and
-eagle3_*.json for the EAGLE-3 heads), so they cannot drift: `tests/test_docs.py` checks that the README holds exactly
-these tables.
+eagle3_*.json for the EAGLE-3 heads, each with its grounded GPU prediction from gpu_grounded.json), so they cannot
+drift: `tests/test_docs.py` checks that the README holds exactly these tables.
 
 Usage: python benchmarks/readme_table.py   (prints the table)
 """
@@ -11,6 +11,7 @@ import json
 from pathlib import Path
 
 RESULTS = Path(__file__).parent / "results"
+GROUNDED = "gpu_grounded.json"  # benchmarks/grounded_gpu.py: the reference card applied to every result below
 # (results file, the pair in words, its data): the pairs the README reports, the off-the-shelf draft, the best tuned
 # one and, where the bench ran n-gram lookup, its best variant
 PAIRS = (
@@ -22,7 +23,8 @@ PAIRS = (
 )
 HEADER = (
     "| pair (data) | draft | k | prompts | identical | acceptance | tokens per target pass | here: with the draft "
-    "over the target alone | over llama.cpp's target alone: exact settings / its defaults | predicted on a GPU |\n"
+    "over the target alone | over llama.cpp's target alone: exact settings / its defaults | predicted on a GPU: "
+    "bytes only / RTX 4080, grounded (c) |\n"
     "|---|---|---|---|---|---|---|---|---|---|"
 )
 
@@ -31,7 +33,8 @@ HEADER = (
 HEADS = (("eagle3_smollm2_sgd.json", "SmolLM2-135M-Instruct, QLoRA on SGD", "SGD dev"),)
 HEADS_HEADER = (
     "| pair (data) | draft | k | prompts | identical | acceptance (llama.cpp's count) | α / tokens per target pass "
-    "(offline) | over llama.cpp's target alone, both in llama.cpp's loop | predicted on a GPU |\n"
+    "(offline) | over llama.cpp's target alone, both in llama.cpp's loop | predicted on a GPU: bytes only / RTX "
+    "4080, grounded (c) |\n"
     "|---|---|---|---|---|---|---|---|---|"
 )
 
@@ -46,7 +49,16 @@ def speedup_or_not_run(figures: dict, key: str) -> str:
     return f"{figures[key]:.2f}x" if figures.get(key) else "not run"
 
 
-def row(pair: str, data: str, name: str, figures: dict) -> str:
+def gpu_figures(file: str, name: str) -> str:
+    """The bytes-only and the grounded prediction of a committed draft, each with its c."""
+    grounded = json.loads((RESULTS / GROUNDED).read_text())["results"][file]["drafts"][name]
+    return (
+        f"{grounded['bytes_only_committed']:.2f}x / {grounded['grounded']:.2f}x "
+        f"(c = {grounded['bytes_c']:.3f} / {grounded['grounded_c']:.3f})"
+    )
+
+
+def row(file: str, pair: str, data: str, name: str, figures: dict) -> str:
     over_exact, over_defaults = (
         speedup_or_not_run(figures, f"aggregate_speedup_over_{baseline}")
         for baseline in ("llama_cpp", "llama_cpp_defaults")
@@ -55,7 +67,7 @@ def row(pair: str, data: str, name: str, figures: dict) -> str:
         f"| {pair} ({data}) | {name} | {figures['draft_max']} | {figures['n']} | {figures['identical']}/{figures['n']} "
         f"| {figures['acceptance']:.1%} | {figures['mean_accepted_len']:.2f} | {figures['aggregate_speedup']:.2f}x "
         f"({figures['total_tokens']:,} tokens) | {over_exact} / {over_defaults} "
-        f"| {figures['predicted_speedup_gpu']:.2f}x (c = {figures['gpu_cost_ratio']:.3f}) |"
+        f"| {gpu_figures(file, name)} |"
     )
 
 
@@ -65,7 +77,7 @@ def table() -> str:
         drafts = json.loads((RESULTS / file).read_text())["drafts"]
         for name in ("generic", best_draft(drafts), best_draft(drafts, looked_up=True)):
             if name is not None:
-                lines.append(row(pair, data, name, drafts[name]))
+                lines.append(row(file, pair, data, name, drafts[name]))
     return "\n".join(lines)
 
 
@@ -77,7 +89,7 @@ def heads_table() -> str:
                 f"| {pair} ({data}) | {name} | {f['k']} | {f['n']} | {f['identical']}/{f['n']} "
                 f"| {f['llama_cpp_acceptance']:.1%} | {f['alpha']:.1%} / {f['tau']:.2f} "
                 f"| {f['over_llama_cpp_target_alone']:.2f}x ({f['tokens']:,} tokens) "
-                f"| {f['predicted_gpu']:.2f}x (c = {f['cost_ratio_gpu_bytes']:.3f}) |"
+                f"| {gpu_figures(file, name)} |"
             )
     return "\n".join(lines)
 

@@ -9,7 +9,9 @@ from gguf import GGUFWriter
 
 import spectune.bench.run as bench_run
 from spectune.bench.run import BenchConfig, _summary, variant_profiles
+from spectune.gpu_card import REFERENCE_CARD
 from spectune.runtime.ngram import NgramSettings
+from spectune.runtime.profile import gguf_weights
 
 COLD = {"ttft_ms": 5.0, "ttfs_ms": 9.0, "cold_ttft_ms": 7.0, "cold_ttfs_ms": 12.0}
 
@@ -77,9 +79,10 @@ ROWS = [
 PROFILE = {"cost_ratio": 0.5, "verify_ratio": {"2": 1.5, "3": 2.0}}
 
 
-def write_gguf(path, vocab: int, width: int, body: int, tied: bool) -> None:
+def write_gguf(path, vocab: int, width: int, body: int, tied: bool, layers: int) -> None:
     """A GGUF of F32 tensors: a vocab x width embedding table, a head of the same shape unless tied, `body` more."""
     writer = GGUFWriter(str(path), "llama")
+    writer.add_block_count(layers)
     writer.add_tensor("token_embd.weight", np.zeros((vocab, width), np.float32))
     if not tied:
         writer.add_tensor("output.weight", np.zeros((vocab, width), np.float32))
@@ -94,8 +97,8 @@ def write_pair(folder) -> None:
     """c = 0.1 by what a step reads, not by file size: the target reads its head (4,000 bytes), body (8,000) and one
     embedding row (40) of its 4,000-byte table, 12,040; the tied draft its whole table as the head (400), body (800)
     and a row (4), 1,204. The files weigh 16,000 and 1,200 bytes of tensors (0.075)."""
-    write_gguf(folder / "t.gguf", vocab=100, width=10, body=2000, tied=False)
-    write_gguf(folder / "d.gguf", vocab=100, width=1, body=200, tied=True)
+    write_gguf(folder / "t.gguf", vocab=100, width=10, body=2000, tied=False, layers=4)
+    write_gguf(folder / "d.gguf", vocab=100, width=1, body=200, tied=True, layers=1)
 
 
 @pytest.fixture
@@ -127,6 +130,18 @@ def test_the_predictions_cost_each_step_by_what_it_drafted(summary):
     assert summary["predicted_speedup_here"] == pytest.approx(30 / 25.75)
     assert summary["gpu_cost_ratio"] == pytest.approx(0.1)
     assert summary["predicted_speedup_gpu"] == pytest.approx(30 / 10.6)
+
+
+def test_the_grounded_prediction_costs_each_step_on_the_reference_card(summary, tmp_path):
+    # A tiny pair is all layer floors on the card: c just under 1/4 (one layer against four), r(2) and r(3) near 1; the
+    # same 2 steps of one drafted token and 7 of two as the other predictions
+    target, draft = gguf_weights(tmp_path / "t.gguf"), gguf_weights(tmp_path / "d.gguf")
+    c, r = REFERENCE_CARD.cost_ratio(draft, target), REFERENCE_CARD.verify_ratios(target)
+    assert (target.layers, draft.layers) == (4, 1)
+    assert 0.249 < c < 0.25 and 1.0 < r["2"] < r["3"] < 1.001
+    assert summary["gpu_card"] == REFERENCE_CARD.name
+    assert summary["grounded_cost_ratio"] == pytest.approx(c)
+    assert summary["predicted_speedup_gpu_grounded"] == pytest.approx(30 / (2 * (r["2"] + c) + 7 * (r["3"] + 2 * c)))
 
 
 def test_the_llama_cpp_baseline_is_compared_per_decode_over_the_same_span(summary):

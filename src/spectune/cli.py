@@ -566,10 +566,11 @@ def print_story(summary: dict[str, Any], layout: RunLayout) -> None:
     first = next(iter(summary["bench"].values()))
     table = Table(
         title="speculative decoding, the target alone = 1.00x",
-        caption=f"GPU: predicted, c = {first['gpu_cost_ratio']:.2f} (bytes a step reads). CPU: measured here, all "
+        caption=f"GPU: predicted, c = {first['gpu_cost_ratio']:.2f} (bytes a step reads). card: the same on an "
+        f"{first['gpu_card']}, c and r from published llama.cpp CUDA figures. CPU: measured here, all "
         f"{first['total_tokens']:,} tokens over all decode time. same: answers identical to the target alone's.",
     )
-    for column in ("draft", "k", "accept", "tok/pass", "GPU", "CPU", "same"):
+    for column in ("draft", "k", "accept", "tok/pass", "GPU", "card", "CPU", "same"):
         table.add_column(column, justify="left" if column == "draft" else "right")
     for name, s in summary["bench"].items():
         table.add_row(
@@ -578,6 +579,7 @@ def print_story(summary: dict[str, Any], layout: RunLayout) -> None:
             f"{s['acceptance']:.0%}",
             f"{s['mean_accepted_len']:.2f}",
             f"{s['predicted_speedup_gpu']:.2f}x",
+            f"{s['predicted_speedup_gpu_grounded']:.2f}x",
             f"{s['aggregate_speedup']:.2f}x",
             f"{s['identical']}/{s['n']}",
         )

@@ -34,6 +34,7 @@ from spectune.errors import Problem, SpectuneError
 from spectune.export.gguf import check_quant
 from spectune.export.pair import ExportPairConfig, ExportSettings, export_pair, write_pair
 from spectune.export.profile import profile_pair
+from spectune.gpu_card import REFERENCE_CARD
 from spectune.layout import CONTROL_DRAFT, TARGET, RunLayout
 from spectune.models.derive import derive_draft
 from spectune.models.imported import REAL_MODELS, fetch
@@ -719,6 +720,9 @@ def summarize(accepted: dict[str, Any], benched: dict[str, Any], layout: RunLayo
         + " / ".join(f"{bench_summary[name]['mean_accepted_len']:.1f}" for name in names)
         + " — predicted on a GPU "
         + " / ".join(f"{bench_summary[name]['predicted_speedup_gpu']:.1f}x" for name in names)
+        + f" (on an {REFERENCE_CARD.name}, grounded: "
+        + " / ".join(f"{bench_summary[name]['predicted_speedup_gpu_grounded']:.1f}x" for name in names)
+        + ")"
         + " — here (CPU, compute-bound, all tokens / all time) "
         + " / ".join(f"{bench_summary[name]['aggregate_speedup']:.2f}x" for name in names)
         + f" — identical answers {identical}/{prompts} — report: {layout.report}"

@@ -27,6 +27,7 @@ from spectune.data.prepare import read_prompts
 from spectune.data.read import assistant_turns
 from spectune.engines.llama_cpp import SPECULATIVE_TOOL, built_tool
 from spectune.errors import SpectuneError
+from spectune.gpu_card import REFERENCE_CARD
 from spectune.layout import CONTROL_DRAFT, TARGET
 from spectune.runtime.build import identity_verdict
 from spectune.runtime.chat import CLAUSE_END, chat_prompt
@@ -72,6 +73,9 @@ SUMMARY_KEYS = (
     "predicted_speedup_here",
     "predicted_speedup_gpu",
     "gpu_cost_ratio",
+    "gpu_card",
+    "grounded_cost_ratio",
+    "predicted_speedup_gpu_grounded",
     "ngram_step_share",
     "ngram_drafted",
     "ngram_acceptance",
@@ -487,8 +491,6 @@ def _summary(
     # The draft model's cost is paid on the tokens it drafted, not on those looked up: c per drafted token, averaged
     model_share = (drafted - ngram_drafted) / drafted if drafted else float(draft_path is not None)
     cost_ratio = profile["cost_ratio"] * model_share
-    read_c = step_cost_ratio(gguf_weights(draft_path), gguf_weights(config.target)) if draft_path else 0.0
-    gpu_c = (config.gpu_cost_ratio.get(name) or read_c) * model_share
     per_position = [a / d if d else 0.0 for d, a in zip(drafted_at, accepted_at, strict=True)]
     # A catch-up of n tokens is one batch of the draft: r(n) draft steps here (the target's r standing in for the
     # draft's), of which the step-cost model counts one; on a memory-bound GPU it costs what one step does.
@@ -526,8 +528,26 @@ def _summary(
         "predicted_speedup_here": speedup_of_steps(
             tau, drafted_at, steps, cost_ratio, profile["verify_ratio"], catch_up_cost
         ),
+        **gpu_predictions(config, name, draft_path, model_share, (tau, drafted_at, steps)),
+    }
+
+
+def gpu_predictions(
+    config: BenchConfig, name: str, draft_path: Path | None, model_share: float, steps: tuple[float, list[int], int]
+) -> dict[str, Any]:
+    """The GPU predictions on the steps the bench made (`steps`: τ, drafted_at, verify steps): bytes only (r = 1,
+    c what a step reads) and on the reference card (gpu_card: c and r grounded in published figures)."""
+    target_weights, card = gguf_weights(config.target), REFERENCE_CARD
+    draft_weights = gguf_weights(draft_path) if draft_path else None
+    read_c = step_cost_ratio(draft_weights, target_weights) if draft_weights else 0.0
+    gpu_c = (config.gpu_cost_ratio.get(name) or read_c) * model_share
+    grounded_c = card.cost_ratio(draft_weights, target_weights) * model_share if draft_weights else 0.0
+    return {
         "gpu_cost_ratio": gpu_c,
-        "predicted_speedup_gpu": speedup_of_steps(tau, drafted_at, steps, gpu_c, None),
+        "predicted_speedup_gpu": speedup_of_steps(*steps, gpu_c, None),
+        "gpu_card": card.name,
+        "grounded_cost_ratio": grounded_c,
+        "predicted_speedup_gpu_grounded": speedup_of_steps(*steps, grounded_c, card.verify_ratios(target_weights)),
     }
 
 
@@ -636,8 +656,9 @@ def markdown(report: dict[str, Any]) -> str:
         f"{settings.get('build', 'build not recorded')}.",
         "",
         "| draft | k | identical | acceptance | τ (tokens/verify) | speedup here: aggregate (tokens, s) | "
-        "per prompt mean / best / worst | c | r(k+1) | predicted here | predicted GPU |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "per prompt mean / best / worst | c | r(k+1) | predicted here | predicted GPU: bytes only | "
+        "predicted GPU: grounded |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, s in report["summary"].items():
         lines.append(
@@ -647,7 +668,8 @@ def markdown(report: dict[str, Any]) -> str:
             f"{s['target_total_seconds']:.2f}) | "
             f"{s['mean_speedup']:.2f}x / {s['best_speedup']:.2f}x / {s['worst_speedup']:.2f}x | "
             f"{s['cost_ratio']:.3f} | {s['verify_ratio']:.2f} | {s['predicted_speedup_here']:.2f}x | "
-            f"{s['predicted_speedup_gpu']:.2f}x (c = {s['gpu_cost_ratio']:.3f}) |"
+            f"{s['predicted_speedup_gpu']:.2f}x (c = {s['gpu_cost_ratio']:.3f}) | "
+            f"{s['predicted_speedup_gpu_grounded']:.2f}x (c = {s['grounded_cost_ratio']:.3f}, {s['gpu_card']}) |"
         )
     lines += latency_lines(report) + ngram_lines(report) + llama_cpp_lines(report)
     timed = [s["target_total_seconds"] for s in report["summary"].values()]
@@ -660,6 +682,8 @@ def markdown(report: dict[str, Any]) -> str:
         "Predicted GPU speedup: τ / (1 + d·c), decoding memory-bound (r = 1), c what a draft step reads of its GGUF "
         "over what a target step reads, d the tokens a step really drafted (at most k: a draft stops at an end "
         "token), averaged over the steps. "
+        f"Grounded: the same on {REFERENCE_CARD.name}, whose c and r(d+1) come from published llama.cpp CUDA "
+        "figures (a per-layer floor, and the weights' read growing with the batch; docs/design.md). "
         "Predicted here: τ / (r(d+1) + d·c) with this machine's measured r and c; on a small CPU verification is "
         "compute-bound (r(k+1) well above 1), so only a draft with a high τ gains wall-clock time here.",
         "",

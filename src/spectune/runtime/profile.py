@@ -30,9 +30,13 @@ FILLER = "The quick brown fox jumps over the lazy dog while the river runs to th
 def gguf_weights(path: str | Path) -> Weights:
     """A GGUF's weights in the bytes they are stored in (a tied model has no `output.weight`; an EAGLE-3 head has no
     embedding table of its own)."""
-    tensors = {tensor.name: tensor for tensor in GGUFReader(path).tensors}
+    reader = GGUFReader(path)
+    tensors = {tensor.name: tensor for tensor in reader.tensors}
+    architecture = reader.fields["general.architecture"].contents()
+    layers = int(reader.fields[f"{architecture}.block_count"].contents())
     if "token_embd.weight" not in tensors and "fc.weight" in tensors:  # an EAGLE-3 head reads a row of the target's
-        return Weights(total=sum(int(tensor.n_bytes) for tensor in tensors.values()), embedding=0, rows=1, tied=False)
+        total = sum(int(tensor.n_bytes) for tensor in tensors.values())
+        return Weights(total=total, embedding=0, rows=1, tied=False, layers=layers)
     if "token_embd.weight" not in tensors:
         raise SpectuneError(f"{path}: no token_embd.weight tensor (not a language model GGUF?)")
     embedding = tensors["token_embd.weight"]
@@ -41,6 +45,7 @@ def gguf_weights(path: str | Path) -> Weights:
         embedding=int(embedding.n_bytes),
         rows=int(embedding.shape[-1]),  # GGUF lists dimensions innermost first: (width, vocabulary)
         tied="output.weight" not in tensors,
+        layers=layers,
     )
 
 

@@ -25,6 +25,7 @@ from spectune.config import Settings
 from spectune.data.prepare import read_prompts
 from spectune.data.read import assistant_turns
 from spectune.errors import SpectuneError
+from spectune.gpu_card import GROUNDED_PROFILE, REFERENCE_CARD
 from spectune.layout import TARGET
 from spectune.models.load import is_eagle3_head, load_tokenizer
 from spectune.models.resolve import MODEL_REFERENCE, resolve_model
@@ -82,7 +83,7 @@ class AcceptanceConfig(AcceptanceSettings):
 class Profile:
     """A hardware profile: c (draft step / target step) and r(n) (n-token batch / one token)."""
 
-    key: str  # GPU_PROFILE or HERE
+    key: str  # GPU_PROFILE, GROUNDED_PROFILE or HERE
     name: str
     cost_ratio: float
     verify_ratio: dict[str, float] = field(default_factory=dict)  # empty: r = 1 (memory-bound GPU)
@@ -372,9 +373,10 @@ def module_weights(model: Any) -> Weights:
     )
 
 
-def gpu_profiles(config: AcceptanceConfig, target: Any, drafts: dict[str, Any]) -> dict[str, Profile]:
-    """Memory-bound decoding, r = 1, and each draft's own c: what its step reads over what the target's does (see
-    step_cost_ratio), of the GGUFs where given, else of the HF weights."""
+def gpu_profiles(config: AcceptanceConfig, target: Any, drafts: dict[str, Any]) -> dict[str, list[Profile]]:
+    """Each draft's GPU profiles: memory-bound decoding, r = 1, c what its step reads over what the target's does
+    (see step_cost_ratio), of the GGUFs where given, else of the HF weights; and, with GGUFs, the reference card's
+    grounded c and r (gpu_card), which need bytes and layers."""
     if config.ggufs:
         missing = sorted({TARGET, *drafts} - set(config.ggufs))
         if missing:
@@ -384,14 +386,18 @@ def gpu_profiles(config: AcceptanceConfig, target: Any, drafts: dict[str, Any]) 
     else:
         weights = {TARGET: module_weights(target)} | {name: module_weights(draft) for name, draft in drafts.items()}
         source = "HF weights"
-    return {
-        name: Profile(
-            GPU_PROFILE,
-            f"gpu (memory-bound, predicted; c by {source})",
-            round(step_cost_ratio(weights[name], weights[TARGET]), 4),
-        )
-        for name in drafts
-    }
+    card = REFERENCE_CARD
+    profiles = {}
+    for name in drafts:
+        bytes_only = round(step_cost_ratio(weights[name], weights[TARGET]), 4)
+        profiles[name] = [Profile(GPU_PROFILE, f"gpu (memory-bound, predicted; c by {source})", bytes_only)]
+        if config.ggufs:  # the card's model needs bytes and layers
+            grounded_c = round(card.cost_ratio(weights[name], weights[TARGET]), 4)
+            name_on_card = f"{card.name} (grounded in published llama.cpp CUDA figures)"
+            profiles[name].append(
+                Profile(GROUNDED_PROFILE, name_on_card, grounded_c, card.verify_ratios(weights[TARGET]))
+            )
+    return profiles
 
 
 def read_profile(path: Path) -> Profile:
@@ -419,7 +425,7 @@ def run_acceptance(config: AcceptanceConfig) -> dict[str, Any]:
     target_model, draft_models, heads, tokenizer = load_models(config.target, config.drafts)
     gpu = gpu_profiles(config, target_model, draft_models | heads)
     # a measured profile is the draft model's c here: no head has one (llama.cpp's eagle3 runs only as a pair)
-    profiles = {name: [*measured, gpu[name]] for name in draft_models} | {name: [gpu[name]] for name in heads}
+    profiles = {name: [*measured, *gpu[name]] for name in draft_models} | {name: gpu[name] for name in heads}
     ngram = None
     if config.ngram is not None:
         answers = assistant_turns(config.ngram_data) if config.ngram_data else []
