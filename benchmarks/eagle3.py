@@ -20,7 +20,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from pipeline_run import command_line, config_from_command_line, write_result
+from pipeline_run import LEAN_SWITCHES, command_line, config_from_command_line, lean_overrides, write_result
 
 from spectune.bench.peer import llama_baseline, run_peer
 from spectune.bench.run import rounds, without_bos
@@ -126,18 +126,10 @@ def bench_pair(config: Any, outputs: dict[str, Any], drafts: list[str]) -> list[
 
 
 def main() -> None:
-    switches = {
-        "--methods-seqkd": "train only seqkd beside the head (drafts.methods: [seqkd])",
-        "--one-repeat": "one timed run per prompt and variant after the warm-up (bench.repeats: 1)",
-    }
-    args = command_line(__doc__, switches)
+    args = command_line(__doc__, LEAN_SWITCHES)
     config = config_from_command_line(args.config)
     overrides: dict[str, dict[str, Any]] = {"drafts": {"eagle3": {}}} if config.drafts.eagle3 is None else {}
-    if args.methods_seqkd:
-        overrides.setdefault("drafts", {})["methods"] = ["seqkd"]
-    if args.one_repeat:
-        overrides["bench"] = {"repeats": 1}
-    config = config_from_command_line(args.config, overrides)
+    config = config_from_command_line(args.config, lean_overrides(args, overrides))
     run = Run(config)
     outputs = run_until_acceptance(run)
     accepted = {row["name"]: row for row in outputs["acceptance"]["drafts"]}

@@ -28,6 +28,22 @@ def command_line(doc: str | None, switches: dict[str, str] | None = None) -> arg
     return parser.parse_args()
 
 
+# Switches that trim a long real-model run to what a result needs (benchmarks/speculative.py and eagle3.py)
+LEAN_SWITCHES = {
+    "--methods-seqkd": "train only the seqkd draft (drafts.methods: [seqkd])",
+    "--one-repeat": "one timed run per prompt and variant after the warm-up (bench.repeats: 1)",
+}
+
+
+def lean_overrides(args: argparse.Namespace, overrides: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """`overrides` with what the LEAN_SWITCHES given on the command line set."""
+    if args.methods_seqkd:
+        overrides.setdefault("drafts", {})["methods"] = ["seqkd"]
+    if args.one_repeat:
+        overrides.setdefault("bench", {})["repeats"] = 1
+    return overrides
+
+
 def config_from_command_line(source: str, overrides: dict[str, dict[str, Any]] | None = None) -> RunConfig:
     """The run config named by `source` (a YAML or demo:SIZE), settings of its sections overridden by `overrides`
     ({"bench": {"peer": True}}: a changed bench setting reruns the bench stage alone)."""

@@ -8,6 +8,8 @@ Runs a pipeline config, reusing its finished stages, and writes benchmarks/resul
 Usage: python benchmarks/speculative.py configs/demo-medium.yaml --name medium
        python benchmarks/speculative.py demo:demo --name demo --peer   (what `spectune demo` runs, llama.cpp beside)
        python benchmarks/speculative.py demo:demo --name demo --peer --ngram   (and n-gram lookup variants)
+       python benchmarks/speculative.py configs/smollm2-sgd.yaml --name smollm2_sgd_ngram --peer --ngram \
+           --methods-seqkd --one-repeat   (a real pair, trimmed to the off-the-shelf and seqkd drafts)
 """
 
 from __future__ import annotations
@@ -16,8 +18,9 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
-from pipeline_run import RESULTS, command_line, run_from_command_line, write_result
+from pipeline_run import LEAN_SWITCHES, RESULTS, command_line, lean_overrides, run_from_command_line, write_result
 
 from spectune.bench.run import result_row
 
@@ -26,12 +29,16 @@ def main() -> None:
     switches = {
         "--peer": "set bench.peer (needs `spectune tools build-llama-cpp`)",
         "--ngram": "set drafts.ngram: n-gram lookup variants (the domain table from seqkd's target answers)",
+        **LEAN_SWITCHES,
     }
     args = command_line(__doc__, switches)
-    overrides = {"bench": {"peer": True}} if args.peer else {}
+    # an EAGLE-3 head runs only in llama.cpp's loop, which benchmarks/eagle3.py measures: this bench has no use for it
+    overrides: dict[str, dict[str, Any]] = {"drafts": {"eagle3": None}}
+    if args.peer:
+        overrides["bench"] = {"peer": True}
     if args.ngram:
-        overrides["drafts"] = {"ngram": {}}
-    config, summary, name = run_from_command_line(__doc__, args, overrides or None, rerun_from="bench")
+        overrides["drafts"]["ngram"] = {}
+    config, summary, name = run_from_command_line(__doc__, args, lean_overrides(args, overrides), rerun_from="bench")
     layout = config.layout
     manifest = json.loads(layout.manifest.read_text())
     drafts = {draft: result_row(s) for draft, s in summary["bench"].items()}
