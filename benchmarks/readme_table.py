@@ -17,7 +17,7 @@ GROUNDED = "gpu_grounded.json"  # benchmarks/grounded_gpu.py: the reference card
 PAIRS = (
     ("speculative_demo.json", "demo 17M target, 1.3M draft", "generated voice-bot dialogues"),
     ("speculative_medium.json", "medium demo pair", "generated voice-bot dialogues"),
-    ("speculative_smollm2_sgd.json", "SmolLM2-135M-Instruct, QLoRA on SGD", "SGD dev"),
+    ("speculative_smollm2_sgd_ngram.json", "SmolLM2-135M-Instruct, QLoRA on SGD", "SGD dev"),
     ("speculative_gemma3_270m_sgd_tuned.json", "Gemma 3 270M, QLoRA on SGD", "SGD dev"),
     ("speculative_qwen_sgd.json", "Qwen2.5-Coder 1.5B, QLoRA on SGD; its 0.5B sibling", "SGD dev"),
 )
