@@ -33,6 +33,8 @@ def gguf_weights(path: str | Path) -> Weights:
     reader = GGUFReader(path)
     tensors = {tensor.name: tensor for tensor in reader.tensors}
     architecture = reader.fields["general.architecture"].contents()
+    if f"{architecture}.block_count" not in reader.fields:
+        raise SpectuneError(f"{path}: no {architecture}.block_count (its layers, which the GPU card's floor needs)")
     layers = int(reader.fields[f"{architecture}.block_count"].contents())
     if "token_embd.weight" not in tensors and "fc.weight" in tensors:  # an EAGLE-3 head reads a row of the target's
         total = sum(int(tensor.n_bytes) for tensor in tensors.values())
