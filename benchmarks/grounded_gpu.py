@@ -27,6 +27,7 @@ from spectune.gpu_card import REFERENCE_CARD
 from spectune.models.imported import fetch
 from spectune.models.tokenizer import save_tokenizer
 from spectune.models.world import RECIPES, build_tokenizer, llama_config
+from spectune.pipeline import DERIVED_LAYERS
 from spectune.runtime.ngram import NGRAM
 from spectune.runtime.profile import gguf_weights
 from spectune.speedup import Weights
@@ -70,7 +71,7 @@ def model_weights(name: str, role: str, scratch: Path) -> Weights:
 def draft_layers(result: dict[str, Any], draft: Weights | None, name: str) -> int:
     if name == "eagle3":
         return HEAD_LAYERS
-    return draft.layers if draft is not None else len(result["pair"]["draft_layers"])
+    return draft.layers if draft is not None else len(result["pair"]["draft_layers"] or DERIVED_LAYERS)
 
 
 def interpolated_ratio(verify: dict[str, float], tokens: float) -> float:

@@ -26,6 +26,7 @@ from spectune.pipeline import (
     DraftsSettings,
     ModelsSettings,
     RunConfig,
+    base_draft_stage,
     domain_data,
     load_run_config,
     path_hash,
@@ -213,6 +214,22 @@ def test_a_new_draft_shape_reruns_the_drafts_not_the_fine_tune():
     assert table["base-draft"].settings(config) != table["base-draft"].settings(reshaped)
     assert table["finetune"].needs == ("target",) and table["merge"].needs == ("target", "finetune")
     assert "base-draft" in table["draft:sft"].needs
+
+
+def test_draft_layers_cut_a_draft_model_to_its_first_layers(micro_pair, tmp_path):
+    """A narrower sibling: `draft_layers` with a draft model keeps those of its layers; without, all of it."""
+    from transformers import AutoConfig
+
+    sibling = micro_pair / "target"  # two layers (the micro draft has one)
+    models = {"target": str(micro_pair / "target"), "draft": str(sibling)}
+    whole = validate(RunConfig, {"run_dir": str(tmp_path / "whole"), "models": models}, "test")
+    outputs = {"target": models}
+    assert base_draft_stage(Context(whole, whole.layout, outputs)) == {"draft": str(sibling)}
+    cut = validate(RunConfig, {"run_dir": str(tmp_path / "cut"), "models": {**models, "draft_layers": [0]}}, "test")
+    folder = Path(base_draft_stage(Context(cut, cut.layout, outputs))["draft"])
+    assert folder == cut.layout.derived_draft
+    assert AutoConfig.from_pretrained(folder).num_hidden_layers == 1
+    assert AutoConfig.from_pretrained(sibling).num_hidden_layers == 2
 
 
 def test_the_stage_table_declares_what_each_stage_reads():

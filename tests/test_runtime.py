@@ -212,10 +212,12 @@ def test_bench_writes_its_report(ggufs, demo_data, tmp_path):
         max_tokens=24,
         draft_max=4,
         threads=1,
+        first_words_every=2,
     )
     report = bench(config)
     summary = report["summary"]["sft"]
     assert summary["n"] == 3 and summary["identical"] == 3 and summary["exact"] is True
+    assert summary["first_words_prompts"] == 2  # prompts 1 and 3: a new caller's first words on one in two
     assert summary["worst_speedup"] <= summary["mean_speedup"] <= summary["best_speedup"]
     assert summary["cost_ratio"] > 0 and summary["verify_ratio"] >= 1.0 - 0.5
     assert summary["predicted_speedup_gpu"] > 0 and summary["mean_accepted_len"] >= 1.0
@@ -227,6 +229,7 @@ def test_bench_writes_its_report(ggufs, demo_data, tmp_path):
     for name in ("report.json", "report.md", "report.png"):
         assert (tmp_path / "bench" / name).stat().st_size > 0
     assert json.loads((tmp_path / "bench" / "report.json").read_text())["settings"]["n"] == 3
+    assert "measured on 2 of the 3 prompts (one in 2)" in (tmp_path / "bench" / "report.md").read_text()
 
 
 def test_a_new_turn_reuses_the_cached_prefix_and_answers_the_same(ggufs, prompts):

@@ -62,6 +62,10 @@ class DataSettings(SplitSettings, DemoDataSettings):
     path: Path | Literal["demo"] = Field("demo", description="Task dataset, or demo: generated voice-bot dialogues.")
 
 
+# On SmolLM2 the first two of the target's layers beat layers 0 and 29 and four layers (benchmarks/draft_shapes.py).
+DERIVED_LAYERS = [0, 1]
+
+
 class ModelsSettings(Settings):
     size: Literal[tuple(RECIPES)] | None = Field("small", description="A demo-world pair ...")  # type: ignore[valid-type]
     fetch: Literal[tuple(REAL_MODELS)] | None = Field(  # type: ignore[valid-type]
@@ -73,9 +77,11 @@ class ModelsSettings(Settings):
         description=f"the draft: {MODEL_REFERENCE}, a real model that installs offline (a sibling of the target), "
         "or target-layers (made from the target's own layers).",
     )
-    draft_layers: list[int] = Field(
-        [0, 1],  # on SmolLM2 the first two beat layers 0 and 29 and four layers (benchmarks/draft_shapes.py)
-        description="target-layers: which of the target's layers the draft keeps.",
+    draft_layers: list[int] | None = Field(
+        None,
+        description="Which layers the draft keeps (embeddings, final norm and head shared): with target-layers, "
+        f"of the target (default {DERIVED_LAYERS}); with a draft model, of that model (a narrower cut of a sibling; "
+        "default all of it).",
     )
     models_dir: Path | None = Field(None, description="Where demo pairs are built (default: the user cache).")
 
@@ -305,10 +311,15 @@ def base_draft_stage(context: Context) -> dict[str, Any]:
     or the demo pair's."""
     section, target = context.config.models, context.outputs["target"]
     if section.draft == "target-layers":
-        return {"draft": str(derive_draft(Path(target["target"]), section.draft_layers, context.layout.derived_draft))}
+        layers = section.draft_layers or DERIVED_LAYERS
+        return {"draft": str(derive_draft(Path(target["target"]), layers, context.layout.derived_draft))}
     if section.draft in REAL_MODELS:
-        return {"draft": str(fetch(section.draft))}
-    return {"draft": str(resolve_model(section.draft) if section.draft else target["pair_draft"])}
+        model = fetch(section.draft)
+    else:
+        model = resolve_model(section.draft) if section.draft else Path(target["pair_draft"])
+    if section.draft_layers is not None:  # a narrower draft: the first layers of a sibling cost less a step
+        model = derive_draft(model, section.draft_layers, context.layout.derived_draft)
+    return {"draft": str(model)}
 
 
 def train_inputs(context: Context, out: Path) -> dict[str, Any]:

@@ -60,6 +60,7 @@ SUMMARY_KEYS = (
     "cold_ttfs_ms",
     "cold_ttfs_first_clause_alone_ms",
     "target_cold_ttfs_ms",
+    "first_words_prompts",
     "mean_speedup",
     "best_speedup",
     "worst_speedup",
@@ -119,6 +120,12 @@ class BenchSettings(DecodeSettings):
     n: int = Field(30, ge=1, description="Prompts.")
     repeats: int = Field(3, ge=1, description="Interleaved timed runs per prompt and variant (medians).")
     peer: bool = Field(False, description="Also run llama.cpp's own speculative decoder on each pair.")
+    first_words_every: int = Field(
+        1,
+        ge=1,
+        description="A new caller's first words (both caches empty, every variant) on every Nth prompt: on long "
+        "prompts each costs a prefill per variant.",
+    )
     ngram_with: list[str] | None = Field(
         None, description="The drafts n-gram lookup goes in front of (default: every tuned one)."
     )
@@ -256,8 +263,9 @@ def bench_prompt(
         llama_runs[TARGET, field] = functools.partial(baseline, without_bos(target, text), config.max_tokens)
     runs, peer_runs = run_interleaved(decoders, sampling, ids, llama_runs, config.repeats)
     row = prompt_row(index, ids, target.detokenize(runs[TARGET][0].generation.tokens), runs, peer_runs)
-    for name, first_words in cold_first_words(decoders, sampling, ids, index).items():
-        row["variants"][name] |= first_words
+    if index % config.first_words_every == 0:
+        for name, first_words in cold_first_words(decoders, sampling, ids, index // config.first_words_every).items():
+            row["variants"][name] |= first_words
     console.print(
         f"prompt {index + 1}: "
         + "  ".join(
@@ -510,8 +518,15 @@ def _summary(
         "target_ttfs_ms": statistics.median(row["variants"][TARGET]["ttfs_ms"] for row in rows),
         "ttft_ms": statistics.median(v["ttft_ms"] for v in variants),
         "target_ttft_ms": statistics.median(row["variants"][TARGET]["ttft_ms"] for row in rows),
-        **{key: statistics.median(v[key] for v in variants) for key in COLD_KEYS},
-        **{f"target_{key}": statistics.median(row["variants"][TARGET][key] for row in rows) for key in COLD_KEYS[:2]},
+        # a new caller's first words, on the prompts that measured them (first_words_every)
+        "first_words_prompts": sum(COLD_KEYS[0] in v for v in variants),
+        **{key: statistics.median(v[key] for v in variants if key in v) for key in COLD_KEYS},
+        **{
+            f"target_{key}": statistics.median(
+                row["variants"][TARGET][key] for row in rows if key in row["variants"][TARGET]
+            )
+            for key in COLD_KEYS[:2]
+        },
         "mean_speedup": statistics.mean(speedups),
         "best_speedup": max(speedups),
         "worst_speedup": min(speedups),
@@ -709,6 +724,11 @@ def latency_lines(report: dict[str, Any]) -> list[str]:
             f"{s['cold_ttft_ms']:.0f} ({s['target_cold_ttft_ms']:.0f}) | {s['cold_ttfs_ms']:.0f} / "
             f"{s['cold_ttfs_first_clause_alone_ms']:.0f} ({s['target_cold_ttfs_ms']:.0f}) |"
         )
+    every = report["settings"]["first_words_every"]
+    if every > 1:
+        measured = next(iter(report["summary"].values()))["first_words_prompts"]
+        total = report["settings"]["n"]
+        lines += ["", f"A new prompt's first words: measured on {measured} of the {total} prompts (one in {every})."]
     return lines
 
 
