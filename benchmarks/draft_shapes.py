@@ -31,8 +31,7 @@ from spectune.config import validate
 from spectune.export.gguf import export_model
 from spectune.gpu_card import GROUNDED_PROFILE
 from spectune.models.derive import derive_draft
-from spectune.models.imported import REAL_MODELS, fetch
-from spectune.models.resolve import resolve_model
+from spectune.models.resolve import model_folder
 from spectune.pipeline import DERIVED_LAYERS, RunConfig, load_run_config
 from spectune.runtime.profile import measure_profile
 from spectune.speedup import GPU_PROFILE
@@ -155,9 +154,7 @@ def main() -> None:
     config = load_run_config(args.config)
     overrides = dict(item.split("=", 1) for item in args.set)
     settings = validate(DraftSettings, {**config.drafts.for_method(args.method), **overrides}, "--set")
-    cut_from = None
-    if args.cut_from:
-        cut_from = fetch(args.cut_from) if args.cut_from in REAL_MODELS else resolve_model(Path(args.cut_from))
+    cut_from = model_folder(args.cut_from) if args.cut_from else None
     shapes = Shapes(config, cut_from, args.method, settings)
     rows = []
     with tempfile.TemporaryDirectory() as scratch:
@@ -173,7 +170,7 @@ def main() -> None:
                 keep(args.keep, kept | ({answers: TARGET_ANSWERS} if answers.is_file() else {}))
     result = {
         "target": str(config.layout.merged_target),
-        "cut_from": str(cut_from or config.layout.merged_target),
+        "cut_from": args.cut_from or str(config.layout.merged_target),  # as given: a name, not this machine's path
         "method": args.method,
         "settings": settings.model_dump(mode="json"),
         "shapes": rows,

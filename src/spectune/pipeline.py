@@ -38,7 +38,7 @@ from spectune.gpu_card import REFERENCE_CARD
 from spectune.layout import CONTROL_DRAFT, TARGET, RunLayout
 from spectune.models.derive import derive_draft
 from spectune.models.imported import REAL_MODELS, fetch
-from spectune.models.resolve import MODEL_REFERENCE, is_hub_id, resolve_model
+from spectune.models.resolve import MODEL_REFERENCE, is_hub_id, model_folder, resolve_model
 from spectune.models.world import RECIPES, build_pair
 from spectune.runtime.ngram import NgramSettings
 from spectune.story import chatter_to, story
@@ -313,10 +313,7 @@ def base_draft_stage(context: Context) -> dict[str, Any]:
     if section.draft == "target-layers":
         layers = section.draft_layers or DERIVED_LAYERS
         return {"draft": str(derive_draft(Path(target["target"]), layers, context.layout.derived_draft))}
-    if section.draft in REAL_MODELS:
-        model = fetch(section.draft)
-    else:
-        model = resolve_model(section.draft) if section.draft else Path(target["pair_draft"])
+    model = model_folder(section.draft) if section.draft else Path(target["pair_draft"])
     if section.draft_layers is not None:  # a narrower draft: the first layers of a sibling cost less a step
         model = derive_draft(model, section.draft_layers, context.layout.derived_draft)
     return {"draft": str(model)}

@@ -488,7 +488,8 @@ def _summary(
     speedups = [v["speedup"] for v in variants]
     # The headline: all tokens over all decode time, with the draft over the target alone (a mean of per-prompt
     # ratios weighs short answers as much as long ones).
-    (tokens, seconds), (_, target_seconds) = totals(variants), totals([row["variants"][TARGET] for row in rows])
+    target_alone = [row["variants"][TARGET] for row in rows]
+    (tokens, seconds), (_, target_seconds) = totals(variants), totals(target_alone)
     # Pooled over prompts (tokens / steps), as the offline meter pools: short answers do not weigh more.
     drafted_at, accepted_at = (pooled_by_position(variants, key) for key in ("drafted_at", "accepted_at"))
     drafted, accepted = sum(drafted_at), sum(accepted_at)
@@ -505,7 +506,7 @@ def _summary(
     catch_ups = [n for v in variants for n in v["draft_catch_ups"]]
     catch_up_cost = profile["cost_ratio"] * sum(verify_ratio_at(profile["verify_ratio"], n) - 1 for n in catch_ups)
     return {
-        **versus_llama_cpp(variants, [row["variants"][TARGET] for row in rows], seconds),
+        **versus_llama_cpp(variants, target_alone, seconds),
         "n": len(rows),
         "draft_max": k,
         "identical": sum(v["identical"] for v in variants),
@@ -515,18 +516,10 @@ def _summary(
         "total_seconds": seconds,
         "target_total_seconds": target_seconds,
         "ttfs_ms": statistics.median(v["ttfs_ms"] for v in variants),
-        "target_ttfs_ms": statistics.median(row["variants"][TARGET]["ttfs_ms"] for row in rows),
+        "target_ttfs_ms": statistics.median(v["ttfs_ms"] for v in target_alone),
         "ttft_ms": statistics.median(v["ttft_ms"] for v in variants),
-        "target_ttft_ms": statistics.median(row["variants"][TARGET]["ttft_ms"] for row in rows),
-        # a new caller's first words, on the prompts that measured them (first_words_every)
-        "first_words_prompts": sum(COLD_KEYS[0] in v for v in variants),
-        **{key: statistics.median(v[key] for v in variants if key in v) for key in COLD_KEYS},
-        **{
-            f"target_{key}": statistics.median(
-                row["variants"][TARGET][key] for row in rows if key in row["variants"][TARGET]
-            )
-            for key in COLD_KEYS[:2]
-        },
+        "target_ttft_ms": statistics.median(v["ttft_ms"] for v in target_alone),
+        **new_caller_figures(variants, target_alone),
         "mean_speedup": statistics.mean(speedups),
         "best_speedup": max(speedups),
         "worst_speedup": min(speedups),
@@ -544,6 +537,15 @@ def _summary(
             tau, drafted_at, steps, cost_ratio, profile["verify_ratio"], catch_up_cost
         ),
         **gpu_predictions(config, name, draft_path, model_share, (tau, drafted_at, steps)),
+    }
+
+
+def new_caller_figures(variants: list[dict[str, Any]], target_alone: list[dict[str, Any]]) -> dict[str, Any]:
+    """A new caller's first words: medians over the prompts that measured them (first_words_every)."""
+    return {
+        "first_words_prompts": sum(COLD_KEYS[0] in v for v in variants),
+        **{key: statistics.median(v[key] for v in variants if key in v) for key in COLD_KEYS},
+        **{f"target_{key}": statistics.median(v[key] for v in target_alone if key in v) for key in COLD_KEYS[:2]},
     }
 
 

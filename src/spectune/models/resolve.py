@@ -13,7 +13,7 @@ from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError, Repo
 
 from spectune.cache import cache_root
 from spectune.errors import SpectuneError
-from spectune.models.imported import import_gguf
+from spectune.models.imported import REAL_MODELS, fetch, import_gguf
 from spectune.models.load import check_model_dir
 
 # owner/name, optionally @revision (a branch, tag or commit), as the hub spells repository ids
@@ -39,6 +39,11 @@ def resolve_model(reference: str | Path) -> Path:
     if is_hub_id(reference):
         return check_model_dir(hub_snapshot(str(reference)))
     raise SpectuneError(f"{reference}: no such model folder, GGUF file or hub id (owner/name)")
+
+
+def model_folder(reference: str | Path) -> Path:
+    """The local HF folder for a real model's name (fetched into the user cache) or any other model reference."""
+    return fetch(str(reference)) if str(reference) in REAL_MODELS else resolve_model(reference)
 
 
 def imported_gguf(gguf: Path) -> Path:
