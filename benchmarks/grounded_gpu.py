@@ -43,6 +43,7 @@ PAIRS = {
     "speculative_smollm2_sgd_ngram.json": ("smollm2-135m-instruct", None),
     "speculative_gemma3_270m_sgd_tuned.json": ("gemma3-270m", None),
     "speculative_qwen_sgd.json": ("qwen2.5-coder-1.5b-instruct", "qwen2.5-coder-0.5b-instruct"),
+    "speculative_gemma3_270m_sgd_ngram.json": ("gemma3-270m", None),
     "eagle3_smollm2_sgd.json": ("smollm2-135m-instruct", None),
 }
 HEAD_LAYERS = 1  # an EAGLE-3 head is one decoder layer (train/eagle3.py)

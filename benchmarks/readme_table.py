@@ -19,7 +19,7 @@ PAIRS = (
     ("speculative_demo.json", "demo 17M target, 1.3M draft", "generated voice-bot dialogues"),
     ("speculative_medium.json", "medium demo pair", "generated voice-bot dialogues"),
     ("speculative_smollm2_sgd_ngram.json", "SmolLM2-135M-Instruct, QLoRA on SGD", "SGD dev"),
-    ("speculative_gemma3_270m_sgd_tuned.json", "Gemma 3 270M, QLoRA on SGD", "SGD dev"),
+    ("speculative_gemma3_270m_sgd_ngram.json", "Gemma 3 270M, QLoRA on SGD", "SGD dev"),
 )
 HEADER = (
     "| pair (data) | draft | k | prompts | identical | acceptance | tokens per target pass | here: with the draft "
