@@ -15,6 +15,7 @@ from spectune.runtime.llama import LlamaModel
 from spectune.runtime.ngram import NgramDrafter, NgramSettings, NgramTable, domain_table
 from spectune.runtime.speculative import SpeculativeDecoder, StochasticSampler
 from spectune.serve.app import ServeConfig
+from spectune.train.acceptance import lookup_of
 
 
 def never_ends(token: int) -> bool:
@@ -24,10 +25,11 @@ def never_ends(token: int) -> bool:
 def test_a_table_counts_what_followed_each_ngram():
     table = NgramTable(min_n=1, max_n=2)
     table.add([1, 2, 3, 1, 2, 4, 1, 2, 3])
-    assert table.lookup([7, 1, 2], 2, min_share=0.0) == 3  # 3 followed (1, 2) twice, 4 once
+    # 3 followed (1, 2) twice, 4 once: its chance counts one unseen continuation, 2 / (3 + 1)
+    assert table.lookup([7, 1, 2], 2, min_share=0.0) == (3, 0.5)
     assert table.lookup([7, 1, 2], 2, min_share=0.7) is None  # 2 of 3 is below the share asked for
     assert table.lookup([9, 9], 2, min_share=0.0) is None
-    assert table.lookup([3], 1, min_share=0.0) == 1
+    assert table.lookup([3], 1, min_share=0.0) == (1, 0.5)  # seen once: a guess
 
 
 def test_the_conversation_proposes_what_the_caller_said():
@@ -66,6 +68,49 @@ def test_the_domain_table_proposes_the_targets_phrasing_when_sure_enough():
     assert off.propose([30, 7, 8], 4, never_ends).tokens == []
 
 
+def test_a_proposal_stops_where_its_chance_falls_below_what_verifying_costs():
+    """With min_chance, a token is proposed only while the whole proposal is likely enough to be kept: each tail
+    here was seen once (chance 1/2), so the second token's whole chance, 1/4, is below 0.4."""
+    sequence = [1, 2, 3, 4, 5, 1, 2]
+    cautious = NgramDrafter(NgramSettings(domain=False, min_n=2, max_n=2, min_chance=0.4))
+    assert cautious.propose(sequence, 4, never_ends).tokens == [3]
+    assert NgramDrafter(NgramSettings(domain=False, min_n=2, max_n=2)).propose(sequence, 4, never_ends).tokens == [
+        3,
+        4,
+        5,
+        1,
+    ]
+
+
+def test_the_lookup_learns_how_far_to_trust_its_tables():
+    """Rejected lookups of a kind lower its chance until it stops proposing; kept ones raise it again. Only the
+    tokens the target judged count: those after the first rejected one were never verified."""
+    drafter = NgramDrafter(NgramSettings(domain=False, min_n=2, max_n=2, min_chance=0.4))
+    sequence = [1, 2, 3, 4, 5, 1, 2]
+    proposal = drafter.propose(sequence, 1, never_ends)
+    assert proposal.evidence == [((True, 2), 0.5)] and drafter.chance((True, 2), 0.5) == 0.5
+    for _ in range(4):
+        drafter.verified(proposal, accepted=0)
+    assert drafter.chance((True, 2), 0.5) == pytest.approx(0.5 * 4 / 6)  # kept 0 of an expected 2, 4 prior
+    assert drafter.propose(sequence, 1, never_ends).tokens == []
+    longer = NgramDrafter(NgramSettings(domain=False, min_n=2, max_n=2)).propose(sequence, 3, never_ends)
+    for _ in range(6):
+        drafter.verified(longer, accepted=3)
+    assert drafter.kept[True, 2] == 18 and drafter.expected[True, 2] == pytest.approx(2 + 6 * 1.5)
+    assert drafter.propose(sequence, 1, never_ends).tokens == [3]
+    drafter.verified(longer, accepted=1)  # the second token rejected, the third never judged
+    assert drafter.kept[True, 2] == 19 and drafter.expected[True, 2] == pytest.approx(12)
+
+
+def test_offline_acceptance_judges_each_lookup_as_the_target_would():
+    """The acceptance stage replays lookups on the target's answers: each proposal is judged there too, so a lookup
+    with min_chance learns its trust offline as it does in the real loop."""
+    drafter = NgramDrafter(NgramSettings(domain=False, min_n=1, max_n=1))
+    flags = lookup_of(drafter, [([5], [1, 2, 1, 3])], never_ends)
+    assert flags(0, 3)[:2] == [False, False]  # after 1 came 2 once: it proposes 2, the target said 3
+    assert drafter.kept[True, 1] == 0 and drafter.expected[True, 1] == 0.5  # only the first token was judged
+
+
 def test_min_n_above_max_n_is_refused():
     with pytest.raises(ValueError, match="min_n 3 is above max_n 2"):
         domain_table(NgramSettings(min_n=3, max_n=2), [])
@@ -102,17 +147,23 @@ def test_ngram_alone_and_in_front_of_the_draft_give_the_targets_own_answers(q8_p
     domain = domain_table(NgramSettings(), answers)
     looked_up = SpeculativeDecoder(target, ngram=NgramDrafter(NgramSettings(), domain))
     combined = SpeculativeDecoder(target, draft, NgramDrafter(NgramSettings(), domain))
+    cautious = SpeculativeDecoder(target, ngram=NgramDrafter(NgramSettings(min_chance=0.5), domain))
     config = DecodeSettings(max_tokens=40, draft_max=4)
-    totals = {"ngram": [0, 0], "combined": [0, 0, 0], "caught_up": [0, 0]}
+    totals = {"ngram": [0, 0, 0], "combined": [0, 0, 0], "caught_up": [0, 0], "cautious": [0, 0]}
     for prompt in extract_prompts(dialogues, 12, seed=3):
         ids = target.tokenize(chat_prompt(target, prompt.messages))
         expected = plain.generate(ids, config).tokens
         alone, both = looked_up.generate(ids, config), combined.generate(ids, config)
         assert alone.tokens == expected and both.tokens == expected, prompt.messages[-1]
+        sure = cautious.generate(ids, config)
+        assert sure.tokens == expected, prompt.messages[-1]
+        totals["cautious"][0] += sure.stats.accepted
+        totals["cautious"][1] += sure.stats.drafted
         assert alone.stats.ngram_drafted == alone.stats.drafted  # no draft model: every proposal was looked up
         assert both.stats.ngram_accepted <= both.stats.accepted and both.stats.ngram_drafted <= both.stats.drafted
         totals["ngram"][0] += alone.stats.ngram_accepted
         totals["ngram"][1] += alone.stats.ngram_steps
+        totals["ngram"][2] += alone.stats.ngram_drafted
         totals["combined"][0] += both.stats.ngram_steps
         totals["combined"][1] += both.stats.verify_steps - both.stats.ngram_steps
         totals["combined"][2] += both.stats.accepted - both.stats.ngram_accepted
@@ -125,6 +176,9 @@ def test_ngram_alone_and_in_front_of_the_draft_give_the_targets_own_answers(q8_p
     assert totals["combined"][0] > 0 and totals["combined"][1] > 0  # both sources proposed
     assert totals["combined"][2] > 0  # and the draft model's proposals were still accepted where it proposed
     assert totals["caught_up"][0] > totals["caught_up"][1] > 0  # it read every accepted looked-up token, and more
+    # proposing only what is likely to be kept: fewer tokens, a larger share of them kept
+    assert 0 < totals["cautious"][1] < totals["ngram"][2]
+    assert totals["cautious"][0] / totals["cautious"][1] > totals["ngram"][0] / totals["ngram"][2]
 
 
 def test_a_server_with_ngram_lookup_answers_as_the_target_alone(pair, messages, demo_data):

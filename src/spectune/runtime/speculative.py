@@ -27,7 +27,7 @@ from spectune.errors import SpectuneError
 from spectune.runtime.chat import CLAUSE_END
 from spectune.runtime.decode import DecodeSettings
 from spectune.runtime.llama import LlamaModel
-from spectune.runtime.ngram import NgramDrafter
+from spectune.runtime.ngram import NgramDrafter, NgramProposal
 from spectune.runtime.pair import check_pair
 
 # How the first clause is decoded: with the draft from the second token on, by the target alone (the draft reads the
@@ -138,8 +138,13 @@ class Drafter:
         if self.ngram is not None:
             looked_up = self.ngram.propose(sequence, k, self.is_end)
             if looked_up.tokens or self.model is None:
-                return Proposal(looked_up.tokens, [], "ngram", looked_up.from_context)
+                return Proposal(looked_up.tokens, [], "ngram", looked_up)
         return self._propose_from_model(sequence, k, sampler, p_min)
+
+    def verified(self, proposal: Proposal, accepted: int) -> None:
+        """The target kept the proposal's first `accepted` tokens: the lookup learns how far to trust its tables."""
+        if self.ngram is not None and proposal.lookup is not None:
+            self.ngram.verified(proposal.lookup, accepted)
 
     def _propose_from_model(self, sequence: list[int], k: int, sampler: Sampler, p_min: float) -> Proposal:
         assert self.model is not None
@@ -165,7 +170,12 @@ class Proposal:
     tokens: list[int]
     probs: list[np.ndarray]  # the draft distributions they were sampled from; empty when greedy or looked up
     source: Literal["draft", "ngram", ""]
-    from_context: int = 0  # n-gram tokens the conversation proposed (the rest: the domain table)
+    lookup: NgramProposal | None = None  # the n-gram's proposal, where it was looked up
+
+    @property
+    def from_context(self) -> int:
+        """Tokens the conversation proposed (the rest: the domain table or the draft model)."""
+        return self.lookup.from_context if self.lookup else 0
 
 
 @dataclass
@@ -200,6 +210,8 @@ def speculative_step(
     if no_end_rows:
         rows[:no_end_rows, target.end_tokens] = -np.inf
     accepted, own = sampler.verify(rows, drafts, proposal.probs)
+    if drafter is not None:
+        drafter.verified(proposal, accepted)
     target.truncate(position + 1 + accepted)  # keep the last token and the accepted drafts
     return Step(proposal, accepted, [*drafts[:accepted], own], drafted - start, time.perf_counter() - drafted)
 

@@ -233,15 +233,18 @@ def draft_matches(
 
 def lookup_of(drafter: NgramDrafter, answered: list[tuple[list, list]], is_end: Callable[[int], bool]) -> Lookup:
     """What n-gram lookup proposes at each position of the target's answers (up to MAX_DRAFT_LEN tokens; a proposal at a
-    smaller k is its prefix), as match flags; computed once per position."""
+    smaller k is its prefix), as match flags; computed once per position, and judged as the target would judge it
+    (with min_chance, the lookup learns from it how far to trust its tables, as in the real loop)."""
     proposals: dict[tuple[int, int], list[bool] | None] = {}
 
     def flags(index: int, position: int) -> list[bool] | None:
         if (index, position) not in proposals:
             prompt, answer = answered[index]
-            tokens = drafter.propose(prompt + answer[:position], MAX_DRAFT_LEN, is_end).tokens
+            proposal = drafter.propose(prompt + answer[:position], MAX_DRAFT_LEN, is_end)
             expected = answer[position:]
-            proposals[index, position] = [i < len(expected) and t == expected[i] for i, t in enumerate(tokens)] or None
+            matched = [i < len(expected) and t == expected[i] for i, t in enumerate(proposal.tokens)]
+            drafter.verified(proposal, accepted=[*matched, False].index(False))
+            proposals[index, position] = matched or None
         return proposals[index, position]
 
     return flags
