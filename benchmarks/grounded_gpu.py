@@ -10,7 +10,10 @@ r = 1 this reproduces the committed bytes-only figure exactly, which the table c
 
 Usage: python benchmarks/grounded_gpu.py [RESULT.json ...] [--threads N]   (default: every result; fetches the real
        models into the user cache once)
-Writes benchmarks/results/gpu_grounded.json and prints the table.
+Writes benchmarks/results/gpu_grounded.json and prints the table, then the time to the first sentence with a draft over
+without, prompt cached (bench.run.first_sentence_over_alone): timed, the model's figure from the result's own speedup
+(its check) and its prediction on the card, for every result timed with the first token the target's own step,
+`spectune bench` reports (BENCH_REPORTS, whose grounded figures are their own) included.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from spectune.atomic import atomic_path
+from spectune.bench.run import first_sentence_over_alone
 from spectune.export.gguf import export_model
 from spectune.gpu_card import REFERENCE_CARD
 from spectune.models.imported import fetch
@@ -46,6 +50,14 @@ PAIRS = {
     "speculative_gemma3_270m_sgd_ngram.json": ("gemma3-270m", None),
     "eagle3_smollm2_sgd.json": ("smollm2-135m-instruct", None),
 }
+# `spectune bench` reports: they carry their own grounded figures; the first sentence is added from them
+BENCH_REPORTS = (
+    "speculative_qwen_sgd_lookup.json",
+    "speculative_qwen_sgd_cuts.json",
+    "speculative_qwen_sgd_domain.json",
+    "speculative_qwen_sgd_ngram_mod.json",
+)
+GROUNDED = "predicted_speedup_gpu_grounded"
 HEAD_LAYERS = 1  # an EAGLE-3 head is one decoder layer (train/eagle3.py)
 
 
@@ -114,6 +126,27 @@ def predictions(result: dict[str, Any], target: Weights, draft: Weights | None, 
     }
 
 
+def first_sentence(row: dict[str, Any], grounded: float) -> dict[str, float] | None:
+    """The first sentence over the target alone's, prompt cached: as timed, as the model puts it from the result's
+    own speedup (bench.run.first_sentence_over_alone) and as it predicts on the card; for the results timed with the
+    first token the target's own step (they time a new caller too), None for the others."""
+    if "cold_ttft_ms" not in row:
+        return None
+    return {
+        "timed": row["ttfs_ms"] / row["target_ttfs_ms"],
+        "model_here": first_sentence_over_alone(row, row["aggregate_speedup"]),
+        "card": first_sentence_over_alone(row, grounded),
+    }
+
+
+def bench_report_predictions(file: str) -> dict[str, dict[str, Any]]:
+    """A `spectune bench` report's own grounded figures (it computes them as it runs) and the first sentence."""
+    summary = json.loads((RESULTS / file).read_text())["summary"]
+    return {
+        name: {"grounded": s[GROUNDED], "first_sentence": first_sentence(s, s[GROUNDED])} for name, s in summary.items()
+    }
+
+
 def grounded_report(files: list[str]) -> dict[str, Any]:
     """The report with `files` (re)computed; the other results' entries kept from the committed report."""
     committed = RESULTS / "gpu_grounded.json"
@@ -138,6 +171,11 @@ def grounded_report(files: list[str]) -> dict[str, Any]:
                     name: predictions(result, target, draft, name, row) for name, row in result["drafts"].items()
                 },
             }
+    for file, entry in report["results"].items():  # every result's, kept or recomputed: no export needed
+        rows = json.loads((RESULTS / file).read_text())["drafts"]
+        for name, figures in entry["drafts"].items():
+            figures["first_sentence"] = first_sentence(rows[name], figures["grounded"])
+    report["bench_reports"] = {file: bench_report_predictions(file) for file in BENCH_REPORTS}
     return report
 
 
@@ -163,6 +201,21 @@ def main() -> None:
                 f"({p['bytes_only_committed']:.2f}x) | {p['bytes_c']:.3f} / {p['grounded_c']:.3f} "
                 f"| {p['verify_ratio']:.2f} | {p['grounded']:.2f}x |"
             )
+    print_first_sentences(report)
+
+
+def print_first_sentences(report: dict[str, Any]) -> None:
+    """The first sentence over the target alone's, prompt cached, for every result that timed it."""
+    print(f"\n| result | variant | first sentence here: timed / model | grounded | on the {REFERENCE_CARD.name} |")
+    print("|---|---|---|---|---|")
+    entries = {file: entry["drafts"] for file, entry in report["results"].items()} | report["bench_reports"]
+    for file, variants in entries.items():
+        for name, p in variants.items():
+            if (first := p["first_sentence"]) is not None:
+                print(
+                    f"| {file} | {name} | {first['timed']:.2f}x / {first['model_here']:.2f}x "
+                    f"| {p['grounded']:.2f}x | {first['card']:.2f}x |"
+                )
 
 
 if __name__ == "__main__":

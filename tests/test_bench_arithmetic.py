@@ -8,10 +8,11 @@ import pytest
 from gguf import GGUFWriter
 
 import spectune.bench.run as bench_run
-from spectune.bench.run import BenchConfig, _summary, variant_profiles
+from spectune.bench.run import BenchConfig, _summary, first_sentence_over_alone, variant_profiles
 from spectune.gpu_card import REFERENCE_CARD
 from spectune.runtime.ngram import NgramSettings
 from spectune.runtime.profile import gguf_weights
+from spectune.speedup import first_sentence_ratio
 
 COLD = {"ttft_ms": 5.0, "ttfs_ms": 9.0, "cold_ttft_ms": 7.0, "cold_ttfs_ms": 12.0}
 
@@ -142,6 +143,15 @@ def test_the_grounded_prediction_costs_each_step_on_the_reference_card(summary, 
     assert summary["gpu_card"] == REFERENCE_CARD.name
     assert summary["grounded_cost_ratio"] == pytest.approx(c)
     assert summary["predicted_speedup_gpu_grounded"] == pytest.approx(30 / (2 * (r["2"] + c) + 7 * (r["3"] + 2 * c)))
+
+
+def test_the_first_sentence_waits_for_the_step_that_ends_it():
+    assert first_sentence_ratio(1.0, 3.0, 2.0) == 1.0  # a one-token clause is the target's own step, drafted or not
+    assert first_sentence_ratio(5.0, 1.0, 1.0) == 1.0  # nothing accepted, nothing lost: each step one token
+    # 5 tokens: the first, then 4 at twice the pace, and the step that ends the clause yields (3 - 1) / 2 = 1 more
+    assert first_sentence_ratio(5.0, 3.0, 2.0) == pytest.approx((1 + (4 + 1) / 2) / 5)
+    figures = {"target_ttft_ms": 100.0, "target_ttfs_ms": 500.0, "mean_accepted_len": 3.0}
+    assert first_sentence_over_alone(figures, 2.0) == pytest.approx(0.7)  # the clause: 5 of the target's steps
 
 
 def test_the_llama_cpp_baseline_is_compared_per_decode_over_the_same_span(summary):

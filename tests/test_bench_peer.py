@@ -80,6 +80,10 @@ def test_llama_cpps_ngram_speculator_goes_in_front_of_the_draft_or_alone():
     alone = speculation_flags(None, 4, 2, ngram_n=2)
     assert alone[alone.index("--spec-type") + 1] == "ngram-simple" and "-md" not in alone and "-td" not in alone
     assert speculation_flags(None, 4, 2) == []  # the target alone
+    hashed = speculation_flags(Path("d.gguf"), 2, 2, ngram_n=2, ngram_type="ngram-mod")
+    assert hashed[hashed.index("--spec-type") + 1] == "ngram-mod,draft-simple"
+    assert hashed[hashed.index("--spec-ngram-mod-n-max") + 1] == "2"  # a short answer's proposals, not 48 tokens
+    assert hashed[hashed.index("--spec-ngram-mod-n-min") + 1] == "1" and "--spec-ngram-simple-size-n" not in hashed
 
 
 # x86-64 Linux system call numbers: arch_prctl, getpid

@@ -226,10 +226,12 @@ def test_bench_writes_its_report(ggufs, demo_data, tmp_path):
     # a new caller's: the prompt's prefill is in both, and the first sentence still comes after the first token
     assert summary["target_ttft_ms"] < summary["target_cold_ttft_ms"] <= summary["target_cold_ttfs_ms"]
     assert 0 < summary["cold_ttft_ms"] <= min(summary["cold_ttfs_ms"], summary["cold_ttfs_first_clause_alone_ms"])
+    assert summary["predicted_first_sentence_here"] > 0 and summary["predicted_first_sentence_gpu_grounded"] > 0
     for name in ("report.json", "report.md", "report.png"):
         assert (tmp_path / "bench" / name).stat().st_size > 0
     assert json.loads((tmp_path / "bench" / "report.json").read_text())["settings"]["n"] == 3
     assert "measured on 2 of the 3 prompts (one in 2)" in (tmp_path / "bench" / "report.md").read_text()
+    assert "here (model) / on the card |" in (tmp_path / "bench" / "report.md").read_text()
 
 
 def test_a_new_turn_reuses_the_cached_prefix_and_answers_the_same(ggufs, prompts):
@@ -317,6 +319,12 @@ def test_the_first_clause_goes_to_the_draft_only_where_it_comes_sooner():
     assert not pace.draft_first_clause(100)  # a long new turn: 100 ms + 35 ms > 70 ms
     pace.speculative = 0.012  # a draft that does not pay here (a CPU): the first clause always goes alone
     assert not pace.draft_first_clause(1)
+    # A draft that pays a little: 7 x 9.5 ms < 70 ms, but the step that ends the clause is heard only once verified,
+    # 1.5 tokens past it at τ 4: (7 + 1.5) x 9.5 ms > 70 ms
+    pace.speculative, pace.catch_up = 0.0095, 0.0
+    assert pace.draft_first_clause(0)
+    pace.step_tokens = 4.0
+    assert not pace.draft_first_clause(0)
 
 
 @pytest.mark.parametrize("quant", ("F32", "F16"))

@@ -71,6 +71,16 @@ def speedup_of_steps(
     return tau * steps / cost
 
 
+def first_sentence_ratio(clause_tokens: float, tau: float, speedup: float) -> float:
+    """Time to the first sentence with speculation over the target alone's, the prompt cached, the clause
+    `clause_tokens` long. Its first token is the target's own step either way (the loop never drafts it); the
+    others come in verify steps of τ tokens at `speedup` times the target alone's pace, and the step that ends the
+    clause runs on average (τ − 1) / 2 tokens past its end (a caller hears nothing until the step is verified)."""
+    later = clause_tokens - 1.0
+    past_end = (tau - 1.0) / 2.0 if later > 0 else 0.0
+    return (1.0 + (later + past_end) / speedup) / clause_tokens
+
+
 def verify_ratio_at(profile: Mapping[str, float] | None, n: int) -> float:
     """r(n) from a measured profile ({"2": r2, ...}); 1.0 for n = 1 or no profile (the GPU assumption)."""
     if n <= 1 or not profile:

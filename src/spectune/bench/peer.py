@@ -18,7 +18,14 @@ import httpx
 
 from spectune.engines.llama_cpp import SERVER, built_tool
 from spectune.engines.llama_cpp import SPECULATIVE_TOOL as TOOL
-from spectune.engines.llama_server import LlamaServer, free_port, server_command, server_env, speculation_flags
+from spectune.engines.llama_server import (
+    LlamaServer,
+    NgramType,
+    free_port,
+    server_command,
+    server_env,
+    speculation_flags,
+)
 from spectune.errors import SpectuneError
 from spectune.runtime.decode import DecodeSettings
 
@@ -58,13 +65,14 @@ def run_peer(
     exact: bool,
     ngram_n: int = 0,
     eagle3: bool = False,
+    ngram_type: NgramType = "ngram-simple",
 ) -> PeerRun:
     """One greedy speculative generation by llama.cpp, with a draft model and/or, where `ngram_n` > 0, its own
-    n-gram speculator in front (`eagle3`: the draft is an EAGLE-3 head); its own timings (decode only, prompt
-    excluded)."""
+    n-gram speculator of `ngram_type` in front (`eagle3`: the draft is an EAGLE-3 head); its own timings (decode
+    only, prompt excluded)."""
+    speculation = speculation_flags(draft, draft_tokens, threads, ngram_n, eagle3=eagle3, ngram_type=ngram_type)
     command = [
-        str(binary),
-        *("-m", str(target), *speculation_flags(draft, draft_tokens, threads, ngram_n, eagle3=eagle3)),
+        *(str(binary), "-m", str(target), *speculation),
         *("-p", prompt, "-n", str(max_tokens), "-c", str(n_ctx), "--temp", "0", "--top-k", "1"),
         *("-t", str(threads), "-tb", str(threads)),
         *(("--no-repack", "-fa", "off") if exact else ()),

@@ -17,7 +17,7 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
-from typing import IO
+from typing import IO, Literal
 
 from spectune.engines.llama_cpp import defaults_env
 from spectune.errors import SpectuneError
@@ -27,6 +27,7 @@ READY_POLL_SECONDS = 0.2
 STOP_SECONDS = 10.0
 LOG_TAIL_CHARS = 2000
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
+NgramType = Literal["ngram-simple", "ngram-mod"]  # llama.cpp's n-gram speculators spectune hands a lookup to
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -67,18 +68,28 @@ def server_command(
 
 
 def speculation_flags(
-    draft: Path | None, draft_max: int, threads: int, ngram_n: int = 0, p_min: float = 0.0, eagle3: bool = False
+    draft: Path | None,
+    draft_max: int,
+    threads: int,
+    ngram_n: int = 0,
+    p_min: float = 0.0,
+    eagle3: bool = False,
+    ngram_type: NgramType = "ngram-simple",
 ) -> list[str]:
     """llama.cpp's flags for speculating as spectune's loop does: `draft` proposing up to `draft_max` tokens,
-    greedy, stopping below `p_min` confidence (0: never early), and where `ngram_n` > 0 its ngram-simple in front
-    (the context's continuation after its last `ngram_n` tokens; its default n-gram of 12 tokens is sized for
-    code). `eagle3`: the draft is an EAGLE-3 head, which drafts from the target's layer inputs. Shared by
+    greedy, stopping below `p_min` confidence (0: never early), and where `ngram_n` > 0 its n-gram speculator in
+    front. ngram-simple: the context's continuation after its last `ngram_n` tokens (its default n-gram of 12
+    tokens is sized for code). ngram-mod: its hashed table of every context n-gram, matched on its own default
+    length (24 tokens), proposing up to `draft_max` (its default floor of 48 proposed tokens would leave a short
+    answer nothing). `eagle3`: the draft is an EAGLE-3 head, which drafts from the target's layer inputs. Shared by
     llama-server and llama-speculative-simple."""
     draft_type = "draft-eagle3" if eagle3 else "draft-simple"
-    spec_types = ["ngram-simple"] * bool(ngram_n) + [draft_type] * (draft is not None)
+    spec_types = [ngram_type] * bool(ngram_n) + [draft_type] * (draft is not None)
     flags = ["--spec-type", ",".join(spec_types), "--spec-draft-n-max", str(draft_max)] if spec_types else []
-    if ngram_n:
+    if ngram_n and ngram_type == "ngram-simple":
         flags += ["--spec-ngram-simple-size-n", str(ngram_n), "--spec-ngram-simple-size-m", str(draft_max)]
+    elif ngram_n:
+        flags += ["--spec-ngram-mod-n-min", "1", "--spec-ngram-mod-n-max", str(draft_max)]
     if draft is not None:
         flags += ["-md", str(draft), "--spec-draft-n-min", "0", "--spec-draft-p-min", str(p_min)]
         flags += ["-td", str(threads), "-tbd", str(threads)]

@@ -382,6 +382,7 @@ class Pace:
 
     alone: float | None = None  # a target step of one token
     speculative: float | None = None  # a speculative step's seconds per token it yields
+    step_tokens: float = 1.0  # the tokens a speculative step yields (τ)
     catch_up: float | None = None  # the draft reading one token of a new turn (its prefill)
     clause_tokens: float = 8.0  # tokens to the first clause end
 
@@ -398,17 +399,20 @@ class Pace:
             self.catch_up = self._average(self.catch_up, catch_up[1] / catch_up[0])
             seconds -= catch_up[1]
         self.speculative = self._average(self.speculative, seconds / len(step.tokens))
+        self.step_tokens = self._average(self.step_tokens, len(step.tokens))
 
     def clause(self, tokens: int) -> None:
         self.clause_tokens = self._average(self.clause_tokens, tokens)
 
     def draft_first_clause(self, behind: int) -> bool:
         """Whether the first clause comes sooner with the draft (which must first read `behind` tokens) than alone;
-        True until each figure has been measured once."""
+        True until each figure has been measured once. The step that ends the clause is heard only once verified,
+        on average (τ − 1) / 2 tokens past the clause (speedup.first_sentence_ratio)."""
         if self.alone is None or self.speculative is None or self.catch_up is None:
             return True
         later = self.clause_tokens - 1  # the first token is the target's own either way
-        return behind * self.catch_up + later * self.speculative < later * self.alone
+        past_end = (self.step_tokens - 1) / 2
+        return behind * self.catch_up + (later + past_end) * self.speculative < later * self.alone
 
 
 class SpeculativeDecoder:
