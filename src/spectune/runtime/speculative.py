@@ -29,6 +29,7 @@ from spectune.runtime.decode import DecodeSettings
 from spectune.runtime.llama import LlamaModel
 from spectune.runtime.ngram import NgramDrafter, NgramProposal
 from spectune.runtime.pair import check_pair
+from spectune.speedup import first_sentence_ratio
 
 # How the first clause is decoded: with the draft from the second token on, by the target alone (the draft reads the
 # new turn after it), or whichever the decoder's own measurements say comes sooner.
@@ -406,13 +407,13 @@ class Pace:
 
     def draft_first_clause(self, behind: int) -> bool:
         """Whether the first clause comes sooner with the draft (which must first read `behind` tokens) than alone;
-        True until each figure has been measured once. The step that ends the clause is heard only once verified,
-        on average (τ − 1) / 2 tokens past the clause (speedup.first_sentence_ratio)."""
+        True until each figure has been measured once. The clause with the draft is speedup.first_sentence_ratio's
+        (the step that ends it is heard only once verified), the catch-up before it."""
         if self.alone is None or self.speculative is None or self.catch_up is None:
             return True
-        later = self.clause_tokens - 1  # the first token is the target's own either way
-        past_end = (self.step_tokens - 1) / 2
-        return behind * self.catch_up + (later + past_end) * self.speculative < later * self.alone
+        clause_alone = self.clause_tokens * self.alone
+        ratio = first_sentence_ratio(self.clause_tokens, self.step_tokens, self.alone / self.speculative)
+        return behind * self.catch_up + ratio * clause_alone < clause_alone
 
 
 class SpeculativeDecoder:
