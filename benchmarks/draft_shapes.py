@@ -5,7 +5,7 @@ cut the draft from the tuned target (default) or from another model (`--cut-from
 its first layers), train it with the run's draft settings (`--set` overrides them) and `--method`, export both to
 Q4_K_M and measure c and r(n) in time here (llama.cpp, interleaved), then the offline α on the run's acceptance
 prompts and the speedup it predicts here, on a memory-bound GPU (c by what a step reads) and on the reference card
-(spectune.gpu_card). The run's own draft of that method is reused for the run's shape.
+(spectune.gpu). The run's own draft of that method is reused for the run's shape.
 Writes benchmarks/results/draft_shapes_<name>.json/.md.
 
 Usage: python benchmarks/draft_shapes.py configs/smollm2-sgd.yaml --name smollm2_sgd --shapes 0,-1 0,1 0,-3,-2,-1
@@ -29,7 +29,7 @@ from pipeline_run import RESULTS
 from spectune.atomic import atomic_path
 from spectune.config import validate
 from spectune.export.gguf import export_model
-from spectune.gpu_card import GROUNDED_PROFILE
+from spectune.gpu.card import GROUNDED_PROFILE
 from spectune.models.derive import derive_draft
 from spectune.models.resolve import model_folder
 from spectune.pipeline import DERIVED_LAYERS, RunConfig, load_run_config

@@ -26,7 +26,7 @@ from spectune.bench.peer import llama_baseline, run_peer
 from spectune.bench.run import rounds, without_bos
 from spectune.data.prepare import read_prompts
 from spectune.engines.llama_cpp import SPECULATIVE_TOOL, built_tool
-from spectune.gpu_card import GROUNDED_PROFILE
+from spectune.gpu.card import GROUNDED_PROFILE
 from spectune.layout import CONTROL_DRAFT, TARGET
 from spectune.pipeline import Context, Run, stages
 from spectune.runtime.chat import chat_prompt

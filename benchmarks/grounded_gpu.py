@@ -1,19 +1,22 @@
-"""The grounded GPU prediction (spectune.gpu_card) applied to every committed result, beside the bytes-only one.
+"""The reference card's prediction (spectune.gpu, fitted on published figures) on every committed result, with its
+band, beside the bytes-only one.
 
 What a decode step reads and how many layers it runs are facts of a model's shapes and quant types, not of its
-weights. So each committed pair's target is exported at Q4_K_M from weights of its shapes (the base model as fetched,
-or spectune's own recipe at its initial weights) and each draft model likewise; a draft's bytes are its committed c
-(bytes) times the target's, as the bench measured them on the tuned GGUFs. The prediction is then each result's own
-τ over r(d + 1) + d·c on the reference card, d the tokens a step drafted on average (the results keep that mean, not
-the spread: r is interpolated there, which puts the grounded figure within a few percent of the per-step sum); with
-r = 1 this reproduces the committed bytes-only figure exactly, which the table checks.
+weights. Each committed pair's target shape (bytes a step reads, layers) is kept in gpu_grounded.json; `--export`
+measures it again by exporting the target at Q4_K_M from weights of its shapes (the base model as fetched, or
+spectune's own recipe at its initial weights). A draft model's bytes are its committed c (bytes) times the target's,
+as the bench measured them on the tuned GGUFs; its layers are its recipe's, its config's (DRAFT_LAYERS) or the
+target's layers it was cut from. The prediction is each result's own τ over r(d + 1) + d·c on the reference card, d
+the tokens a step drafted on average (the results keep that mean, not the spread: r is interpolated there, which puts
+the figure within a few percent of the per-step sum); with r = 1 this reproduces the committed bytes-only figure
+exactly, which the table checks. The band: S at the worst (the highest c of the fit's leave-one-out refits, the
+highest published r) and the best (the lowest of both).
 
-Usage: python benchmarks/grounded_gpu.py [RESULT.json ...] [--threads N]   (default: every result; fetches the real
-       models into the user cache once)
+Usage: python benchmarks/grounded_gpu.py [RESULT.json ...] [--export] [--threads N]   (default: every result)
 Writes benchmarks/results/gpu_grounded.json and prints the table, then the time to the first sentence with a draft over
 without, prompt cached (bench.run.first_sentence_over_alone): timed, the model's figure from the result's own speedup
 (its check) and its prediction on the card, for every result timed with the first token the target's own step,
-`spectune bench` reports (BENCH_REPORTS, whose grounded figures are their own) included.
+`spectune bench` reports (BENCH_REPORTS) included.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ from typing import Any
 from spectune.atomic import atomic_path
 from spectune.bench.run import first_sentence_over_alone
 from spectune.export.gguf import export_model
-from spectune.gpu_card import REFERENCE_CARD
+from spectune.gpu.card import GpuCard, reference_card
 from spectune.models.imported import fetch
 from spectune.models.tokenizer import save_tokenizer
 from spectune.models.world import RECIPES, build_tokenizer, llama_config
@@ -38,6 +41,7 @@ from spectune.speedup import Weights
 from spectune.threads import configure_torch_threads
 
 RESULTS = Path(__file__).parent / "results"
+REPORT = RESULTS / "gpu_grounded.json"
 # result file -> (target, separate draft model or None for a cut of the target's own layers); a name in RECIPES is
 # spectune's own pair, any other a fetched model
 PAIRS = {
@@ -50,13 +54,15 @@ PAIRS = {
     "speculative_gemma3_270m_sgd_ngram.json": ("gemma3-270m", None),
     "eagle3_smollm2_sgd.json": ("smollm2-135m-instruct", None),
 }
-# `spectune bench` reports: they carry their own grounded figures; the first sentence is added from them
-BENCH_REPORTS = (
-    "speculative_qwen_sgd_lookup.json",
-    "speculative_qwen_sgd_cuts.json",
-    "speculative_qwen_sgd_domain.json",
-    "speculative_qwen_sgd_ngram_mod.json",
-)
+DRAFT_LAYERS = {"qwen2.5-coder-0.5b-instruct": 24}  # num_hidden_layers of the fetched draft's config
+# `spectune bench` reports on the tuned Qwen 1.5B (the target of speculative_qwen_sgd.json): each draft model's layers
+BENCH_REPORTS = {
+    "speculative_qwen_sgd_lookup.json": {"generic": 24},
+    "speculative_qwen_sgd_cuts.json": {"generic": 24, "cut4": 4, "cut8": 8},
+    "speculative_qwen_sgd_domain.json": {"generic": 24, "seqkd": 24},
+    "speculative_qwen_sgd_ngram_mod.json": {"seqkd": 24},
+}
+BENCH_TARGET = "speculative_qwen_sgd.json"
 GROUNDED = "predicted_speedup_gpu_grounded"
 HEAD_LAYERS = 1  # an EAGLE-3 head is one decoder layer (train/eagle3.py)
 
@@ -75,16 +81,20 @@ def recipe_model(size: str, role: str, folder: Path) -> Path:
     return folder
 
 
-def model_weights(name: str, role: str, scratch: Path) -> Weights:
-    """The Q4_K_M GGUF weights of a pair member (see the module docstring)."""
-    folder = recipe_model(name, role, scratch / f"{name}-{role}") if name in RECIPES else fetch(name)
-    return gguf_weights(export_model(folder, scratch / f"{name}-{role}.gguf", "Q4_K_M"))
+def exported_target(name: str, scratch: Path) -> dict[str, float]:
+    """The Q4_K_M target's shape, measured by exporting it (see the module docstring)."""
+    folder = recipe_model(name, "target", scratch / name) if name in RECIPES else fetch(name)
+    weights = gguf_weights(export_model(folder, scratch / f"{name}.gguf", "Q4_K_M"))
+    return {"step_read": weights.step_read(), "layers": weights.layers}
 
 
-def draft_layers(result: dict[str, Any], draft: Weights | None, name: str) -> int:
+def model_layers(result: dict[str, Any], pair_draft: str | None, name: str) -> int:
+    """The layers a draft model's step runs: a head's one, a separate model's own, a cut's share of the target's."""
     if name == "eagle3":
         return HEAD_LAYERS
-    return draft.layers if draft is not None else len(result["pair"]["draft_layers"] or DERIVED_LAYERS)
+    if pair_draft is not None:
+        return RECIPES[pair_draft].draft.layers if pair_draft in RECIPES else DRAFT_LAYERS[pair_draft]
+    return len(result["pair"]["draft_layers"] or DERIVED_LAYERS)
 
 
 def interpolated_ratio(verify: dict[str, float], tokens: float) -> float:
@@ -94,8 +104,23 @@ def interpolated_ratio(verify: dict[str, float], tokens: float) -> float:
     return ratios[low] + (ratios[low + 1] - ratios[low]) * (tokens - low)
 
 
-def predictions(result: dict[str, Any], target: Weights, draft: Weights | None, name: str, row: dict) -> dict:
-    """One committed draft row: its figures, the bytes-only prediction recomputed and the grounded one."""
+def on_card(card: GpuCard, target: Weights, tau: float, drafted: float, layers: int, model_c: float, share: float):
+    """(c, its band, r(d+1), S, S's band) on the card for a variant whose draft model reads `model_c` of the target's
+    bytes, runs `layers` layers and proposed `share` of the drafted tokens (0 layers: lookup alone)."""
+    if not layers:
+        c, band = 0.0, (0.0, 0.0)
+    else:
+        draft = Weights(total=round(model_c * target.step_read()), embedding=0, rows=1, tied=False, layers=layers)
+        c, band = card.cost_ratio(draft, target) * share, tuple(b * share for b in card.cost_ratio_band(draft, target))
+    low_r, high_r = card.verify_band(target)
+    verify = interpolated_ratio(card.verify_ratios(target), drafted + 1)
+    worst = tau / (interpolated_ratio(high_r, drafted + 1) + drafted * band[1])
+    best = tau / (interpolated_ratio(low_r, drafted + 1) + drafted * band[0])
+    return c, band, verify, tau / (verify + drafted * c), (worst, best)
+
+
+def predictions(card: GpuCard, result: dict, target: Weights, pair_draft: str | None, name: str, row: dict) -> dict:
+    """One committed draft row: its figures, the bytes-only prediction recomputed and the card's with its band."""
     if "mean_drafted_per_step" in row:  # a bench row of spectune's own loop
         tau, drafted, bytes_c = row["mean_accepted_len"], row["mean_drafted_per_step"], row["gpu_cost_ratio"]
         committed = row["predicted_speedup_gpu"]
@@ -105,24 +130,20 @@ def predictions(result: dict[str, Any], target: Weights, draft: Weights | None, 
     model = name.split("+")[-1]  # ngram+seqkd: the seqkd draft behind the lookup
     model_c = 0.0 if model == NGRAM else result["drafts"][model].get("gpu_cost_ratio", bytes_c)
     share = bytes_c / model_c if model_c else 0.0
-    draft_model = Weights(
-        total=round(model_c * target.step_read()),
-        embedding=0,
-        rows=1,
-        tied=False,
-        layers=draft_layers(result, draft, name),
-    )
-    grounded_c = REFERENCE_CARD.cost_ratio(draft_model, target) * share
-    verify = interpolated_ratio(REFERENCE_CARD.verify_ratios(target), drafted + 1)
+    layers = 0 if model == NGRAM else model_layers(result, pair_draft, name)
+    c, band, verify, grounded, grounded_band = on_card(card, target, tau, drafted, layers, model_c, share)
     return {
         "tau": tau,
         "mean_drafted": drafted,
         "bytes_c": bytes_c,
         "bytes_only": tau / (1 + drafted * bytes_c),
         "bytes_only_committed": committed,
-        "grounded_c": grounded_c,
+        "draft_layers": layers,
+        "grounded_c": c,
+        "grounded_c_band": band,
         "verify_ratio": verify,
-        "grounded": tau / (verify + drafted * grounded_c),
+        "grounded": grounded,
+        "grounded_band": grounded_band,
     }
 
 
@@ -139,74 +160,100 @@ def first_sentence(row: dict[str, Any], grounded: float) -> dict[str, float] | N
     }
 
 
-def bench_report_predictions(file: str) -> dict[str, dict[str, Any]]:
-    """A `spectune bench` report's own grounded figures (it computes them as it runs) and the first sentence."""
+def bench_report_predictions(card: GpuCard, file: str, target: Weights) -> dict[str, dict[str, Any]]:
+    """A `spectune bench` report's variants on the card, from their τ, mean drafted and bytes c (as the results of
+    spectune's own loop above), and the first sentence."""
     summary = json.loads((RESULTS / file).read_text())["summary"]
-    return {
-        name: {"grounded": s[GROUNDED], "first_sentence": first_sentence(s, s[GROUNDED])} for name, s in summary.items()
-    }
+    out = {}
+    for name, s in summary.items():
+        model = name.split("+")[-1]
+        model_c = 0.0 if model == NGRAM else summary[model]["gpu_cost_ratio"]
+        share = s["gpu_cost_ratio"] / model_c if model_c else 0.0
+        layers = 0 if model == NGRAM else BENCH_REPORTS[file][model]
+        tau, drafted = s["mean_accepted_len"], s["mean_drafted_per_step"]
+        c, band, _, grounded, grounded_band = on_card(card, target, tau, drafted, layers, model_c, share)
+        out[name] = {
+            "grounded_c": c,
+            "grounded_c_band": band,
+            "grounded": grounded,
+            "grounded_band": grounded_band,
+            "grounded_committed": s[GROUNDED],
+            "first_sentence": first_sentence(s, grounded),
+        }
+    return out
 
 
-def grounded_report(files: list[str]) -> dict[str, Any]:
-    """The report with `files` (re)computed; the other results' entries kept from the committed report."""
-    committed = RESULTS / "gpu_grounded.json"
+def grounded_report(files: list[str], export: bool) -> dict[str, Any]:
+    """Every result on the card; `files`' target shapes measured again when `export`, the others kept."""
+    card = reference_card()
+    committed = json.loads(REPORT.read_text()) if REPORT.is_file() else {"results": {}}
+    shapes = {file: entry["target"] for file, entry in committed["results"].items()}
+    if export:
+        with tempfile.TemporaryDirectory() as scratch:
+            measured: dict[str, dict[str, float]] = {}
+            for file in files:
+                name = PAIRS[file][0]
+                measured.setdefault(name, exported_target(name, Path(scratch)))
+                shapes[file] = {"model": name, **measured[name]}
+    missing = sorted(set(PAIRS) - set(shapes))
+    if missing:
+        raise SystemExit(f"no committed target shape for {', '.join(missing)}: run with --export")
     report: dict[str, Any] = {
-        "card": REFERENCE_CARD.name,
-        "layer_floor_us": REFERENCE_CARD.layer_seconds * 1e6,
-        "weight_read_by_batch": REFERENCE_CARD.read_by_batch,
-        "results": json.loads(committed.read_text())["results"] if committed.is_file() else {},
+        "card": card.label,
+        "layer_floor_us": card.model.layer_seconds * 1e6,
+        "efficiency": card.model.efficiency,
+        "step_error": card.error,
+        "weight_read_by_batch": card.read_central,
+        "results": {},
     }
-    exported: dict[tuple[str, str], Weights] = {}
-    with tempfile.TemporaryDirectory() as scratch:
-        for file in files:
-            target_name, draft_name = PAIRS[file]
-            result = json.loads((RESULTS / file).read_text())
-            for key in [("target", target_name)] + ([("draft", draft_name)] if draft_name else []):
-                if key not in exported:
-                    exported[key] = model_weights(key[1], key[0], Path(scratch))
-            target, draft = exported[("target", target_name)], exported.get(("draft", draft_name or ""))
-            report["results"][file] = {
-                "target": {"model": target_name, "step_read": target.step_read(), "layers": target.layers},
-                "drafts": {
-                    name: predictions(result, target, draft, name, row) for name, row in result["drafts"].items()
-                },
-            }
-    for file, entry in report["results"].items():  # every result's, kept or recomputed: no export needed
-        rows = json.loads((RESULTS / file).read_text())["drafts"]
-        for name, figures in entry["drafts"].items():
-            figures["first_sentence"] = first_sentence(rows[name], figures["grounded"])
-    report["bench_reports"] = {file: bench_report_predictions(file) for file in BENCH_REPORTS}
+    for file, (_, pair_draft) in PAIRS.items():
+        result, shape = json.loads((RESULTS / file).read_text()), shapes[file]
+        target = Weights(total=round(shape["step_read"]), embedding=0, rows=1, tied=False, layers=shape["layers"])
+        drafts = {
+            name: predictions(card, result, target, pair_draft, name, row) for name, row in result["drafts"].items()
+        }
+        for name, figures in drafts.items():
+            figures["first_sentence"] = first_sentence(result["drafts"][name], figures["grounded"])
+        report["results"][file] = {"target": shape, "drafts": drafts}
+    qwen = shapes[BENCH_TARGET]
+    target = Weights(total=round(qwen["step_read"]), embedding=0, rows=1, tied=False, layers=qwen["layers"])
+    report["bench_reports"] = {file: bench_report_predictions(card, file, target) for file in BENCH_REPORTS}
     return report
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("files", nargs="*", help=f"results to (re)compute, of {', '.join(PAIRS)} (default: all)")
+    parser.add_argument(
+        "files", nargs="*", help=f"results whose target to export again (with --export), of {', '.join(PAIRS)}"
+    )
+    parser.add_argument("--export", action="store_true", help="measure the target shapes by exporting them")
     parser.add_argument("--threads", type=int, default=None)
     args = parser.parse_args()
     unknown = sorted(set(args.files) - set(PAIRS))
     if unknown:
         parser.error(f"no pair known for {', '.join(unknown)} (PAIRS in this script)")
     configure_torch_threads(args.threads)
-    report = grounded_report(args.files or list(PAIRS))
-    with atomic_path(RESULTS / "gpu_grounded.json") as tmp:
+    report = grounded_report(args.files or list(PAIRS), args.export)
+    with atomic_path(REPORT) as tmp:
         tmp.write_text(json.dumps(report, indent=2) + "\n")
-    card = REFERENCE_CARD.name
-    print(f"| result | draft | τ | d | bytes only (committed) | c bytes / on the {card} | r(d+1) | grounded |")
+    print(f"All figures on the card are {report['card']}.")
+    print("| result | draft | τ | d | bytes only (committed) | c bytes / card (band) | r(d+1) | card (band) |")
     print("|---|---|---|---|---|---|---|---|")
     for file, entry in report["results"].items():
         for name, p in entry["drafts"].items():
+            low_c, high_c = p["grounded_c_band"]
             print(
                 f"| {file} | {name} | {p['tau']:.2f} | {p['mean_drafted']:.2f} | {p['bytes_only']:.2f}x "
                 f"({p['bytes_only_committed']:.2f}x) | {p['bytes_c']:.3f} / {p['grounded_c']:.3f} "
-                f"| {p['verify_ratio']:.2f} | {p['grounded']:.2f}x |"
+                f"({low_c:.3f}-{high_c:.3f}) | {p['verify_ratio']:.2f} | {p['grounded']:.2f}x "
+                f"({p['grounded_band'][0]:.2f}-{p['grounded_band'][1]:.2f}x) |"
             )
     print_first_sentences(report)
 
 
 def print_first_sentences(report: dict[str, Any]) -> None:
     """The first sentence over the target alone's, prompt cached, for every result that timed it."""
-    print(f"\n| result | variant | first sentence here: timed / model | grounded | on the {REFERENCE_CARD.name} |")
+    print("\n| result | variant | first sentence here: timed / model | on the card | first sentence on the card |")
     print("|---|---|---|---|---|")
     entries = {file: entry["drafts"] for file, entry in report["results"].items()} | report["bench_reports"]
     for file, variants in entries.items():

@@ -1,7 +1,7 @@
 """The README's results tables (the headline pair's, every pair's, the EAGLE-3 heads'), rendered from the committed
-results (benchmarks/results/speculative_*.json, and eagle3_*.json for the EAGLE-3 heads, each with its grounded GPU
-prediction from gpu_grounded.json), so they cannot drift: `tests/test_docs.py` checks that the README holds exactly
-these tables.
+results (benchmarks/results/speculative_*.json, and eagle3_*.json for the EAGLE-3 heads, each with its prediction on
+the reference card and its band from gpu_grounded.json), so they cannot drift: `tests/test_docs.py` checks that the
+README holds exactly these tables.
 
 Usage: python benchmarks/readme_table.py   (prints the table)
 """
@@ -13,6 +13,7 @@ from pathlib import Path
 
 RESULTS = Path(__file__).parent / "results"
 GROUNDED = "gpu_grounded.json"  # benchmarks/grounded_gpu.py: the reference card applied to every result below
+CARD = "RTX 4060 Ti 16 GB"  # the reference card (spectune.gpu's published.yaml)
 # (results file, the pair in words, its data): the pairs the README reports beside the headline, the off-the-shelf
 # draft, the best tuned one and, where the bench ran n-gram lookup, its best variant
 PAIRS = (
@@ -24,7 +25,7 @@ PAIRS = (
 HEADER = (
     "| pair (data) | draft | k | prompts | identical | acceptance | tokens per target pass | here: with the draft "
     "over the target alone | over llama.cpp's target alone: exact settings / its defaults | predicted on a GPU: "
-    "bytes only / RTX 4080, grounded (c) |\n"
+    f"bytes only / {CARD} (band) (c) |\n"
     "|---|---|---|---|---|---|---|---|---|---|"
 )
 
@@ -32,7 +33,7 @@ HEADER = (
 HEADLINE = "speculative_qwen_sgd.json"
 HEADLINE_HEADER = (
     "| draft | k | acceptance | tokens per target pass | identical: ours / llama.cpp's tool | here: over our target "
-    "alone / over llama.cpp's at its defaults | predicted on a GPU: bytes only / RTX 4080, grounded |\n"
+    f"alone / over llama.cpp's at its defaults | predicted on a GPU: bytes only / {CARD} (band) |\n"
     "|---|---|---|---|---|---|---|"
 )
 DRAFT_WORDS = {
@@ -47,8 +48,8 @@ DRAFT_WORDS = {
 HEADS = (("eagle3_smollm2_sgd.json", "SmolLM2-135M-Instruct, QLoRA on SGD", "SGD dev"),)
 HEADS_HEADER = (
     "| pair (data) | draft | k | prompts | identical | acceptance (llama.cpp's count) | α / tokens per target pass "
-    "(offline) | over llama.cpp's target alone, both in llama.cpp's loop | predicted on a GPU: bytes only / RTX "
-    "4080, grounded (c) |\n"
+    "(offline) | over llama.cpp's target alone, both in llama.cpp's loop | predicted on a GPU: bytes only / "
+    f"{CARD} (band) (c) |\n"
     "|---|---|---|---|---|---|---|---|---|"
 )
 
@@ -63,11 +64,17 @@ def speedup_or_not_run(figures: dict, key: str) -> str:
     return f"{figures[key]:.2f}x" if figures.get(key) else "not run"
 
 
+def on_card(grounded: dict) -> str:
+    """The reference card's prediction with its band."""
+    low, high = grounded["grounded_band"]
+    return f"{grounded['grounded']:.2f}x ({low:.2f}-{high:.2f}x)"
+
+
 def gpu_figures(file: str, name: str) -> str:
-    """The bytes-only and the grounded prediction of a committed draft, each with its c."""
+    """The bytes-only and the reference card's prediction of a committed draft, each with its c."""
     grounded = json.loads((RESULTS / GROUNDED).read_text())["results"][file]["drafts"][name]
     return (
-        f"{grounded['bytes_only_committed']:.2f}x / {grounded['grounded']:.2f}x "
+        f"{grounded['bytes_only_committed']:.2f}x / {on_card(grounded)} "
         f"(c = {grounded['bytes_c']:.3f} / {grounded['grounded_c']:.3f})"
     )
 
@@ -104,7 +111,7 @@ def headline_table() -> str:
             f"| {f['mean_accepted_len']:.2f} "
             f"| {f['identical']}/{f['n']} / {f['llama_cpp_identical']}/{f['n']} | {f['aggregate_speedup']:.2f}x / "
             f"{speedup_or_not_run(f, 'aggregate_speedup_over_llama_cpp_defaults')} "
-            f"| {grounded['bytes_only_committed']:.2f}x / {grounded['grounded']:.2f}x |"
+            f"| {grounded['bytes_only_committed']:.2f}x / {on_card(grounded)} |"
         )
     return "\n".join(lines)
 

@@ -9,7 +9,7 @@ from gguf import GGUFWriter
 
 import spectune.bench.run as bench_run
 from spectune.bench.run import BenchConfig, _summary, first_sentence_over_alone, variant_profiles
-from spectune.gpu_card import REFERENCE_CARD
+from spectune.gpu.card import reference_card
 from spectune.runtime.ngram import NgramSettings
 from spectune.runtime.profile import gguf_weights
 from spectune.speedup import first_sentence_ratio
@@ -135,14 +135,21 @@ def test_the_predictions_cost_each_step_by_what_it_drafted(summary):
 
 def test_the_grounded_prediction_costs_each_step_on_the_reference_card(summary, tmp_path):
     # A tiny pair is all layer floors on the card: c just under 1/4 (one layer against four), r(2) and r(3) near 1; the
-    # same 2 steps of one drafted token and 7 of two as the other predictions
+    # same 2 steps of one drafted token and 7 of two as the other predictions, and the band's ends the same sum at
+    # the worst (high c, high r) and best (low c, low r) ends
+    card = reference_card()
     target, draft = gguf_weights(tmp_path / "t.gguf"), gguf_weights(tmp_path / "d.gguf")
-    c, r = REFERENCE_CARD.cost_ratio(draft, target), REFERENCE_CARD.verify_ratios(target)
+    c, r = card.cost_ratio(draft, target), card.verify_ratios(target)
     assert (target.layers, draft.layers) == (4, 1)
     assert 0.249 < c < 0.25 and 1.0 < r["2"] < r["3"] < 1.001
-    assert summary["gpu_card"] == REFERENCE_CARD.name
+    assert summary["gpu_card"] == card.label and "predicted" in card.label
     assert summary["grounded_cost_ratio"] == pytest.approx(c)
     assert summary["predicted_speedup_gpu_grounded"] == pytest.approx(30 / (2 * (r["2"] + c) + 7 * (r["3"] + 2 * c)))
+    (low_c, high_c), (low_r, high_r) = card.cost_ratio_band(draft, target), card.verify_band(target)
+    worst = 30 / (2 * (high_r["2"] + high_c) + 7 * (high_r["3"] + 2 * high_c))
+    best = 30 / (2 * (low_r["2"] + low_c) + 7 * (low_r["3"] + 2 * low_c))
+    assert summary["predicted_speedup_gpu_grounded_band"] == pytest.approx([worst, best])
+    assert worst <= summary["predicted_speedup_gpu_grounded"] <= best
 
 
 def test_the_first_sentence_waits_for_the_step_that_ends_it():

@@ -57,3 +57,22 @@ def test_the_code_cites_pages_that_exist():
     for source in (ROOT / "src").rglob("*.py"):
         cited |= set(re.findall(r"docs/[\w-]+\.md", source.read_text()))
     assert cited and all((ROOT / page).is_file() for page in cited), cited
+
+
+CARD_FIGURE = re.compile(r"on the card|RTX \d{4}|grounded")
+GPU_FIGURE = re.compile(r"on a GPU")
+SPEEDUP = re.compile(r"\d\.\d\dx")
+BAND = re.compile(r"\d\.\d\d-\d\.\d\dx|band|previous model")
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda page: page.name)
+def test_every_gpu_figure_says_it_is_predicted_and_on_the_card_carries_its_band(page):
+    # A speedup on a GPU no card here has timed is a prediction, and one on a named card carries the fit's band (or
+    # says it is the previous model's, in the results' history); tables state it in their header
+    for number, line in enumerate(page.read_text().splitlines(), start=1):
+        if line.startswith("|") or not SPEEDUP.search(line):
+            continue
+        if CARD_FIGURE.search(line) or GPU_FIGURE.search(line):
+            assert "predict" in line.lower() or "measured" in line.lower(), f"{page.name}:{number}: {line}"
+        if CARD_FIGURE.search(line):
+            assert BAND.search(line), f"{page.name}:{number}: a figure on the card with no band: {line}"

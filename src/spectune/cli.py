@@ -15,7 +15,7 @@ from rich.console import Console
 from rich.table import Table
 
 from spectune import __version__
-from spectune.bench.run import BenchConfig
+from spectune.bench.run import BenchConfig, grounded_figure
 from spectune.bench.run import bench as run_bench
 from spectune.config import validate
 from spectune.data.demo import DemoDataConfig, generate_dialogues
@@ -41,6 +41,8 @@ from spectune.export.pair import ExportPairConfig
 from spectune.export.pair import export_pair as run_export_pair
 from spectune.export.profile import profile_pair
 from spectune.flags import config_command
+from spectune.gpu.predict import STORY_GOALS, PredictConfig
+from spectune.gpu.predict import predict as run_predict
 from spectune.layout import DEFAULT_QUANT, SERVER_SCRIPT, RunLayout
 from spectune.models.derive import derive_draft
 from spectune.models.imported import REAL_MODELS, import_gguf
@@ -566,8 +568,8 @@ def print_story(summary: dict[str, Any], layout: RunLayout) -> None:
     first = next(iter(summary["bench"].values()))
     table = Table(
         title="speculative decoding, the target alone = 1.00x",
-        caption=f"GPU: predicted, c = {first['gpu_cost_ratio']:.2f} (bytes a step reads). card: the same on an "
-        f"{first['gpu_card']}, c and r from published llama.cpp CUDA figures. CPU: measured here, all "
+        caption=f"GPU: predicted, c = {first['gpu_cost_ratio']:.2f} (bytes a step reads). card: "
+        f"{first['gpu_card']}, c and r fitted on published llama.cpp figures. CPU: measured here, all "
         f"{first['total_tokens']:,} tokens over all decode time. same: answers identical to the target alone's.",
     )
     for column in ("draft", "k", "accept", "tok/pass", "GPU", "card", "CPU", "same"):
@@ -579,7 +581,7 @@ def print_story(summary: dict[str, Any], layout: RunLayout) -> None:
             f"{s['acceptance']:.0%}",
             f"{s['mean_accepted_len']:.2f}",
             f"{s['predicted_speedup_gpu']:.2f}x",
-            f"{s['predicted_speedup_gpu_grounded']:.2f}x",
+            grounded_figure(s),
             f"{s['aggregate_speedup']:.2f}x",
             f"{s['identical']}/{s['n']}",
         )
@@ -698,6 +700,55 @@ def plan(config: PlanConfig) -> None:
         )
     if config.json_out:
         config.json_out.write_text(json.dumps(report, indent=2))
+
+
+def _band(band: tuple[float, float], unit: str = "x") -> str:
+    return f"{band[0]:.2f}-{band[1]:.2f}{unit}"
+
+
+@config_command(app, PredictConfig)
+def predict(config: PredictConfig) -> None:
+    """Predict a pair's decode speed on a GPU card, before or after training it, with the fit's band; no model
+    loaded. `plan` says what fits in memory; `predict` says how fast it will run."""
+    result = run_predict(config)
+    console.print(f"All figures {result['label']}: a fit on published llama.cpp figures (docs/design.md).")
+    if "story" in result:
+        story = result["story"]
+        console.print(
+            f"Gemma 3 12B Q4_K_M alone: {story['target_tokens_per_s']:.1f} tok/s "
+            f"({_band(story['target_band'], ' tok/s')}); the reference story published "
+            f"{story['published_tokens_per_s']:.0f} tok/s."
+        )
+        table = Table(title="what a draft must guess (the same α at every position, its best k)")
+        for column in ("draft", "c (band)", "α for 1.7x (band)", "α for 2.2x (band)"):
+            table.add_column(column, justify="left" if column == "draft" else "right")
+        for name, row in story["drafts"].items():
+            needed = [row[f"alpha_for_{goal}x"] for goal in STORY_GOALS]
+            cells = [
+                "out of reach"
+                if alpha[0] is None
+                else f"{alpha[0]:.2f} ({alpha[1] or 0:.2f}-"
+                + ("out of reach" if alpha[2] is None else f"{alpha[2]:.2f}")
+                + ")"
+                for alpha in needed
+            ]
+            table.add_row(name, f"{row['c']:.3f} ({row['c_band'][0]:.3f}-{row['c_band'][1]:.3f})", *cells)
+        console.print(table)
+        return
+    console.print(f"target alone: {result['target_tokens_per_s']:.1f} tok/s ({_band(result['target_band'], ' tok/s')})")
+    table = Table(title=f"speculative decoding on the {result['card']}, the target alone = 1.00x")
+    for column in ("draft", "c (band)", "k", "τ", "speedup (band)", "tok/s"):
+        table.add_column(column, justify="left" if column == "draft" else "right")
+    for name, row in result["drafts"].items():
+        table.add_row(
+            name,
+            f"{row['c']:.3f} ({row['c_band'][0]:.3f}-{row['c_band'][1]:.3f})",
+            str(row["k"]),
+            f"{row['tau']:.2f}",
+            f"{row['speedup']:.2f}x ({_band(row['speedup_band'])})",
+            f"{row['tokens_per_s']:.0f}",
+        )
+    console.print(table)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -34,7 +34,7 @@ from spectune.errors import Problem, SpectuneError
 from spectune.export.gguf import check_quant
 from spectune.export.pair import ExportPairConfig, ExportSettings, export_pair, write_pair
 from spectune.export.profile import profile_pair
-from spectune.gpu_card import REFERENCE_CARD
+from spectune.gpu.card import reference_card
 from spectune.layout import CONTROL_DRAFT, TARGET, RunLayout
 from spectune.models.derive import derive_draft
 from spectune.models.imported import REAL_MODELS, fetch
@@ -728,7 +728,7 @@ def summarize(accepted: dict[str, Any], benched: dict[str, Any], layout: RunLayo
         + " / ".join(f"{bench_summary[name]['mean_accepted_len']:.1f}" for name in names)
         + " — predicted on a GPU "
         + " / ".join(f"{bench_summary[name]['predicted_speedup_gpu']:.1f}x" for name in names)
-        + f" (on an {REFERENCE_CARD.name}, grounded: "
+        + f" ({reference_card().label}: "
         + " / ".join(f"{bench_summary[name]['predicted_speedup_gpu_grounded']:.1f}x" for name in names)
         + ")"
         + " — here (CPU, compute-bound, all tokens / all time) "

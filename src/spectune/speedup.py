@@ -24,7 +24,7 @@ class Weights:
     embedding: int  # the token-embedding table
     rows: int  # its rows: the vocabulary
     tied: bool  # the head is the embedding table
-    layers: int = 0  # decoder layers, each a floor of kernel launches on a GPU (gpu_card)
+    layers: int = 0  # decoder layers, each a floor of kernel launches on a GPU (spectune.gpu)
 
     def step_read(self) -> float:
         """What one decode step reads: every weight, but one row of the embedding table, which a lookup reads,

@@ -28,7 +28,7 @@ from spectune.data.read import assistant_turns
 from spectune.engines.llama_cpp import SPECULATIVE_TOOL, built_tool
 from spectune.engines.llama_server import NgramType
 from spectune.errors import SpectuneError
-from spectune.gpu_card import REFERENCE_CARD
+from spectune.gpu.card import reference_card
 from spectune.layout import CONTROL_DRAFT, TARGET
 from spectune.runtime.build import identity_verdict
 from spectune.runtime.chat import CLAUSE_END, chat_prompt
@@ -78,6 +78,7 @@ SUMMARY_KEYS = (
     "gpu_card",
     "grounded_cost_ratio",
     "predicted_speedup_gpu_grounded",
+    "predicted_speedup_gpu_grounded_band",
     "predicted_first_sentence_here",
     "predicted_first_sentence_gpu_grounded",
     "ngram_step_share",
@@ -561,19 +562,35 @@ def gpu_predictions(
     config: BenchConfig, name: str, draft_path: Path | None, model_share: float, steps: tuple[float, list[int], int]
 ) -> dict[str, Any]:
     """The GPU predictions on the steps the bench made (`steps`: τ, drafted_at, verify steps): bytes only (r = 1,
-    c what a step reads) and on the reference card (gpu_card: c and r grounded in published figures)."""
-    target_weights, card = gguf_weights(config.target), REFERENCE_CARD
+    c what a step reads) and on the reference card (spectune.gpu: c and r fitted on published figures, with a band)."""
+    target_weights, card = gguf_weights(config.target), reference_card()
     draft_weights = gguf_weights(draft_path) if draft_path else None
     read_c = step_cost_ratio(draft_weights, target_weights) if draft_weights else 0.0
     gpu_c = (config.gpu_cost_ratio.get(name) or read_c) * model_share
-    grounded_c = card.cost_ratio(draft_weights, target_weights) * model_share if draft_weights else 0.0
+    grounded_c, c_band = 0.0, (0.0, 0.0)
+    if draft_weights:
+        grounded_c = card.cost_ratio(draft_weights, target_weights) * model_share
+        c_band = tuple(c * model_share for c in card.cost_ratio_band(draft_weights, target_weights))
+    low_r, high_r = card.verify_band(target_weights)
     return {
         "gpu_cost_ratio": gpu_c,
         "predicted_speedup_gpu": speedup_of_steps(*steps, gpu_c, None),
-        "gpu_card": card.name,
+        "gpu_card": card.label,
         "grounded_cost_ratio": grounded_c,
         "predicted_speedup_gpu_grounded": speedup_of_steps(*steps, grounded_c, card.verify_ratios(target_weights)),
+        # the band: the worst case (high c, high r) and the best (low c, low r) of the fit's error
+        "predicted_speedup_gpu_grounded_band": [
+            speedup_of_steps(*steps, c_band[1], high_r),
+            speedup_of_steps(*steps, c_band[0], low_r),
+        ],
     }
+
+
+def grounded_figure(summary: dict[str, Any]) -> str:
+    """The reference card's prediction as printed: the figure and its band (results older than the band: none)."""
+    figure = f"{summary['predicted_speedup_gpu_grounded']:.2f}x"
+    band = summary.get("predicted_speedup_gpu_grounded_band")
+    return f"{figure} ({band[0]:.2f}-{band[1]:.2f}x)" if band else figure
 
 
 def first_sentence_over_alone(summary: dict[str, Any], speedup: float) -> float:
@@ -700,7 +717,7 @@ def markdown(report: dict[str, Any]) -> str:
         "",
         "| draft | k | identical | acceptance | τ (tokens/verify) | speedup here: aggregate (tokens, s) | "
         "per prompt mean / best / worst | c | r(k+1) | predicted here | predicted GPU: bytes only | "
-        "predicted GPU: grounded |",
+        "predicted on the reference card (band) |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, s in report["summary"].items():
@@ -712,7 +729,7 @@ def markdown(report: dict[str, Any]) -> str:
             f"{s['mean_speedup']:.2f}x / {s['best_speedup']:.2f}x / {s['worst_speedup']:.2f}x | "
             f"{s['cost_ratio']:.3f} | {s['verify_ratio']:.2f} | {s['predicted_speedup_here']:.2f}x | "
             f"{s['predicted_speedup_gpu']:.2f}x (c = {s['gpu_cost_ratio']:.3f}) | "
-            f"{s['predicted_speedup_gpu_grounded']:.2f}x (c = {s['grounded_cost_ratio']:.3f}, {s['gpu_card']}) |"
+            f"{grounded_figure(s)} (c = {s['grounded_cost_ratio']:.3f}, {s['gpu_card']}) |"
         )
     lines += latency_lines(report) + ngram_lines(report) + llama_cpp_lines(report)
     timed = [s["target_total_seconds"] for s in report["summary"].values()]
@@ -725,8 +742,9 @@ def markdown(report: dict[str, Any]) -> str:
         "Predicted GPU speedup: τ / (1 + d·c), decoding memory-bound (r = 1), c what a draft step reads of its GGUF "
         "over what a target step reads, d the tokens a step really drafted (at most k: a draft stops at an end "
         "token), averaged over the steps. "
-        f"Grounded: the same on {REFERENCE_CARD.name}, whose c and r(d+1) come from published llama.cpp CUDA "
-        "figures (a per-layer floor, and the weights' read growing with the batch; docs/design.md). "
+        f"On the reference card: the same {reference_card().label}, c and r(d+1) from the card model fitted on "
+        "published llama.cpp figures (a per-layer floor, an effective bandwidth, the weights' read growing with "
+        "the batch; docs/design.md); the band carries the fit's leave-one-out error through c and r. "
         "Predicted here: τ / (r(d+1) + d·c) with this machine's measured r and c; on a small CPU verification is "
         "compute-bound (r(k+1) well above 1), so only a draft with a high τ gains wall-clock time here.",
         "",

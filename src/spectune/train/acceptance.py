@@ -25,7 +25,7 @@ from spectune.config import Settings
 from spectune.data.prepare import read_prompts
 from spectune.data.read import assistant_turns
 from spectune.errors import SpectuneError
-from spectune.gpu_card import GROUNDED_PROFILE, REFERENCE_CARD
+from spectune.gpu.card import GROUNDED_PROFILE, reference_card
 from spectune.layout import TARGET
 from spectune.models.load import is_eagle3_head, load_tokenizer
 from spectune.models.resolve import MODEL_REFERENCE, resolve_model
@@ -379,7 +379,7 @@ def module_weights(model: Any) -> Weights:
 def gpu_profiles(config: AcceptanceConfig, target: Any, drafts: dict[str, Any]) -> dict[str, list[Profile]]:
     """Each draft's GPU profiles: memory-bound decoding, r = 1, c what its step reads over what the target's does
     (see step_cost_ratio), of the GGUFs where given, else of the HF weights; and, with GGUFs, the reference card's
-    grounded c and r (gpu_card), which need bytes and layers."""
+    c and r predicted on the reference card (spectune.gpu), which need bytes and layers."""
     if config.ggufs:
         missing = sorted({TARGET, *drafts} - set(config.ggufs))
         if missing:
@@ -389,14 +389,15 @@ def gpu_profiles(config: AcceptanceConfig, target: Any, drafts: dict[str, Any]) 
     else:
         weights = {TARGET: module_weights(target)} | {name: module_weights(draft) for name, draft in drafts.items()}
         source = "HF weights"
-    card = REFERENCE_CARD
+    card = reference_card()
     profiles = {}
     for name in drafts:
         bytes_only = round(step_cost_ratio(weights[name], weights[TARGET]), 4)
         profiles[name] = [Profile(GPU_PROFILE, f"gpu (memory-bound, predicted; c by {source})", bytes_only)]
         if config.ggufs:  # the card's model needs bytes and layers
             grounded_c = round(card.cost_ratio(weights[name], weights[TARGET]), 4)
-            name_on_card = f"{card.name} (grounded in published llama.cpp CUDA figures)"
+            low_c, high_c = card.cost_ratio_band(weights[name], weights[TARGET])
+            name_on_card = f"{card.label}, c {low_c:.3f}-{high_c:.3f} (fitted on published llama.cpp figures)"
             profiles[name].append(
                 Profile(GROUNDED_PROFILE, name_on_card, grounded_c, card.verify_ratios(weights[TARGET]))
             )

@@ -1,0 +1,146 @@
+"""The card model fitted on published figures (spectune.gpu): its error on rows left out of the fit, the band's
+arithmetic, the reference story as its first check, and `spectune predict` on a committed run."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from pathlib import Path
+
+import pytest
+
+from spectune.cli import main
+from spectune.errors import SpectuneError
+from spectune.gpu.card import card_named, custom_card, reference_card
+from spectune.gpu.fit import BAND_QUANTILE, CardModel, excluded, fit, fit_report, leave_one_out
+from spectune.gpu.predict import PredictConfig, expected_tokens_by_position, predict, shape_weights
+from spectune.gpu.published import published
+from spectune.speedup import Weights, expected_tokens, verify_ratio_at
+
+RESULTS = Path(__file__).parent.parent / "benchmarks" / "results"
+
+
+def test_the_table_holds_the_cards_sizes_and_sources_the_fit_needs():
+    table = published()
+    cards = {row.card.name for row in table.rows}
+    assert {"RTX 4060 Ti 16GB", "RTX 4080", "RTX 3090", "H100 SXM 80GB"} <= cards
+    assert len(table.rows) >= 20 and len({row.shape.params for row in table.rows}) >= 5
+    assert all(row.source.startswith("http") for row in table.rows)
+    report = fit_report()
+    assert len(report.fitted) + len(report.excluded) == len(table.rows)
+    assert all(excluded(row) is None for row in report.fitted)
+
+
+def test_the_fit_recovers_a_model_it_generated():
+    # Rows made by a known model (floor 30 µs, η 0.8, HTTP 1 ms) are fitted back to it
+    truth = CardModel(30e-6, 0.8, 1e-3)
+    rows = [dataclasses.replace(r, tokens_per_s=truth.tokens_per_s(r)) for r in fit_report().fitted]
+    fitted = fit(rows)
+    assert fitted.layer_seconds == pytest.approx(30e-6, rel=1e-6)
+    assert fitted.efficiency == pytest.approx(0.8, rel=1e-6)
+    assert fitted.http_seconds == pytest.approx(1e-3, rel=1e-6)
+
+
+def test_each_row_left_out_is_predicted_within_the_stated_error():
+    report = fit_report()
+    held = leave_one_out(report.fitted)
+    assert [h.predicted for h in held] == pytest.approx([h.predicted for h in report.held_out])
+    for h in held:  # each prediction really comes from a fit without its row
+        assert h.predicted == pytest.approx(h.model.tokens_per_s(h.row))
+        assert h.model != report.model
+    # the goal: the median left-out row within 10%; the band covers at least the share of rows it states
+    assert report.median_error <= 0.10
+    within = [abs(h.error) <= report.band for h in held]
+    assert sum(within) / len(within) >= BAND_QUANTILE
+
+
+def test_the_reference_story_is_reproduced_from_the_fit():
+    # Gemma 3 12B Q4_K_M alone on the story's card: within ±15% of its published 34 tokens/s, and inside its band
+    table, card = published(), reference_card()
+    speed, (low, high) = card.tokens_per_s(table.story.weights())
+    assert table.story_tokens_per_s * 0.85 <= speed <= table.story_tokens_per_s * 1.15
+    assert low <= table.story_tokens_per_s <= high
+    # the story is a check, not a row of the fit, and the card has no fitted row of its own
+    assert all(row.card.name != card.name for row in fit_report().fitted)
+
+
+def test_the_band_brackets_each_figure():
+    card = reference_card()
+    target, draft = shape_weights("gemma-3-12b"), shape_weights("gemma-3-1b")
+    speed, (low, high) = card.tokens_per_s(target)
+    assert low == pytest.approx(speed / (1 + card.error)) and high == pytest.approx(speed / (1 - card.error))
+    c, (low_c, high_c) = card.cost_ratio(draft, target), card.cost_ratio_band(draft, target)
+    assert low_c <= c <= high_c
+    low_r, high_r = card.verify_band(target)
+    central = card.verify_ratios(target)
+    assert all(low_r[n] <= central[n] <= high_r[n] for n in central)
+    tau = expected_tokens(0.8, 3)
+    worst, best = card.speedup_band(tau, 3.0, (low_c, high_c), target)
+    assert worst == pytest.approx(tau / (high_r["4"] + 3 * high_c))
+    assert best == pytest.approx(tau / (low_r["4"] + 3 * low_c))
+    assert worst <= tau / (central["4"] + 3 * c) <= best
+
+
+def test_a_card_by_bandwidth_and_floor():
+    slow, fast = custom_card(288), custom_card(576)
+    target = Weights(7_000_000_000, 0, 1, False, 48)
+    assert slow.step_seconds(target) > fast.step_seconds(target)
+    assert slow.step_seconds(target) == pytest.approx(card_named("RTX 4060 Ti 16GB").step_seconds(target))
+    floorless = custom_card(288, floor_us=0.0)
+    assert floorless.step_seconds(target) == pytest.approx(7e9 / (floorless.model.efficiency * 288e9))
+    with pytest.raises(SpectuneError, match="--card"):
+        card_named("RTX 9999")
+    with pytest.raises(SpectuneError, match="bandwidth"):
+        custom_card(-1)
+
+
+def test_tau_by_position_is_the_iid_formula_for_one_alpha():
+    assert expected_tokens_by_position([0.7], 4) == pytest.approx(expected_tokens(0.7, 4))
+    assert expected_tokens_by_position([1.0, 0.5, 0.0], 5) == pytest.approx(1 + 1 + 0.5)
+
+
+def test_predict_answers_for_a_committed_run_without_loading_a_model():
+    # The tuned Qwen pair's domain bench (τ and the tokens each step drafted, as measured), its members by shape
+    report = RESULTS / "speculative_qwen_sgd_domain.json"
+    summary = json.loads(report.read_text())["summary"]
+    sibling = "24:392039360"
+    config = PredictConfig(target="28:980098400", drafts={"generic": sibling, "seqkd": sibling}, report=report)
+    start = time.perf_counter()
+    result = predict(config)
+    assert time.perf_counter() - start < 2.0
+    assert set(result["drafts"]) == set(summary)
+    card, target = reference_card(), shape_weights("28:980098400")
+    lookup = summary["ngram"]
+    assert result["drafts"]["ngram"]["c"] == 0.0
+    assert result["drafts"]["ngram"]["speedup"] == pytest.approx(
+        lookup["mean_accepted_len"]
+        / verify_ratio_at(card.verify_ratios(target), round(lookup["mean_drafted_per_step"] + 1))
+    )
+    for row in result["drafts"].values():
+        assert row["speedup_band"][0] <= row["speedup"] <= row["speedup_band"][1]
+    assert "predicted" in result["label"]
+
+
+def test_predict_the_story_from_the_cli(capsys):
+    with pytest.raises(SystemExit) as exited:
+        main(["predict", "--story"])
+    assert exited.value.code == 0
+    out = capsys.readouterr().out
+    assert "predicted on an RTX 4060 Ti 16GB" in out and "eagle3-head-12b" in out
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--target", "junk"], "not a GGUF"),
+        (["--target", "48:7e9", "--alpha", "d=1.5"], "probabilities"),
+        (["--target", "48:7e9", "--drafts", "d=gemma-3-1b"], "no acceptance for d"),
+        (["--floor-us", "10", "--story"], "--floor-us goes with --bandwidth"),
+    ],
+)
+def test_predict_refuses_bad_input_saying_what(capsys, args, message):
+    with pytest.raises(SystemExit) as exited:
+        main(["predict", *args])
+    assert exited.value.code != 0
+    assert message in capsys.readouterr().err
