@@ -415,7 +415,9 @@ def test_the_first_stop_signal_cancels_running_answers_and_refuses_queued_ones(p
     waiting.join(timeout=30)
     thread.join(timeout=30)
     assert not thread.is_alive() and time.monotonic() - began < 10  # 800 tokens at 50 ms would take 40 s
-    assert rest[-1]["spectune"]["tokens_per_second"] >= 0 and len(rest) < 400
+    final = next(event for event in rest if "spectune" in event)
+    assert final["spectune"]["tokens_per_second"] >= 0 and len(rest) < 400
+    assert final["choices"][0]["finish_reason"] == "abort" and rest[-1]["error"]["code"] == 503  # cut, and says so
     assert queued[0].status_code == 503 and queued[0].json()["error"]["type"] == "server_shutting_down"
 
 

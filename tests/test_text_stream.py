@@ -15,7 +15,7 @@ class Pieces:
     def __init__(self, pieces: list[bytes]) -> None:
         self.pieces = pieces
 
-    def piece(self, token: int) -> bytes:
+    def piece(self, token: int, special: bool = True) -> bytes:
         return self.pieces[token]
 
 

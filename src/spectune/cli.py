@@ -648,10 +648,13 @@ def call(
     api_key: Annotated[str | None, typer.Option(envvar="SPECTUNE_API_KEY", help="Bearer token.")] = None,
     speak: Annotated[bool, typer.Option(help="Speak each sentence with espeak-ng (if installed).")] = False,
     system: SystemOpt = None,
+    timeout: Annotated[
+        float, typer.Option(min=0.1, help="Seconds to wait for the server's next bytes before giving the turn up.")
+    ] = 30.0,
 ) -> None:
     """A terminal phone call with the server: streams answers by sentence and shows the time to first words."""
 
-    run_call(server, api_key, speak, system)
+    run_call(server, api_key, speak, system, timeout)
 
 
 @config_command(app, PlanConfig)

@@ -54,14 +54,20 @@ def build_name() -> str:
     return f"llama-cpp-python {llama_cpp.__version__}, llamafile {'on' if llamafile_compiled() else 'off'}"
 
 
-def matrix_types(gguf: str | Path) -> Counter[str]:
-    """How many weight matrices (2-D tensors) the GGUF stores in each type."""
+def read_gguf(path: str | Path) -> Any:
+    """The gguf library's reader of a file, or an error that names the file (the reader's own errors say nothing a
+    user can act on: "cannot reshape array", a bare IndexError)."""
     from gguf import GGUFReader
 
     try:
-        tensors = GGUFReader(gguf).tensors
+        return GGUFReader(path)
     except (OSError, ValueError, IndexError, KeyError) as exc:  # what the reader raises on a corrupt or empty file
-        raise SpectuneError(f"{gguf}: not a readable GGUF file ({type(exc).__name__}: {exc})") from exc
+        raise SpectuneError(f"{path}: not a readable GGUF file ({type(exc).__name__}: {exc})") from exc
+
+
+def matrix_types(gguf: str | Path) -> Counter[str]:
+    """How many weight matrices (2-D tensors) the GGUF stores in each type."""
+    tensors = read_gguf(gguf).tensors
     return Counter(t.tensor_type.name for t in tensors if len(t.shape) >= 2)
 
 

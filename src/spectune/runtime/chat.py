@@ -11,8 +11,9 @@ from spectune.errors import SpectuneError
 from spectune.runtime.llama import LlamaModel
 
 # Where a clause ends: what a voice bot's TTS can speak without waiting for more (the server's sentence chunking,
-# the bench's time to first sentence).
-CLAUSE_END = re.compile(r"[.!?;:,](\s|$)")
+# the bench's time to first sentence): Latin punctuation before a space or the end, and the full-width CJK marks
+# (。！？；：，、), Arabic's (، ؛ ؟) and the Devanagari danda (।), which need no space after them.
+CLAUSE_END = re.compile(r"[.!?;:,](\s|$)|[。！？；：，、،؛؟।]")
 # Where a message's content stood in the rendered template (chat_tokens).
 _MARKER = re.compile(r"\x01(\d+)\x02")
 # HF's assistant-mask markers are a transformers extension of Jinja; rendering for inference ignores them.

@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 
 from spectune.errors import SpectuneError
-from spectune.runtime.build import build_features
+from spectune.runtime.build import build_features, read_gguf
 from spectune.threads import thread_count
 
 _backend_ready = False
@@ -150,9 +150,11 @@ class LlamaModel:
             raise SpectuneError(f"tokenization needs {-count} tokens, more than {capacity}")
         return list(tokens[:count])
 
-    def piece(self, token: int) -> bytes:
+    def piece(self, token: int, special: bool = True) -> bytes:
+        """A token's bytes; `special` renders control tokens such as <|im_start|> (an answer's text does not, as
+        vLLM's skip_special_tokens)."""
         buffer = ctypes.create_string_buffer(256)
-        length = self.lib.llama_token_to_piece(self.vocab, token, buffer, len(buffer), 0, True)
+        length = self.lib.llama_token_to_piece(self.vocab, token, buffer, len(buffer), 0, special)
         return buffer.raw[: max(length, 0)]
 
     def detokenize(self, tokens: list[int]) -> str:
@@ -265,7 +267,5 @@ def read_vocab(path: str | Path) -> VocabInfo:
 
 def is_eagle3_gguf(path: str | Path) -> bool:
     """Whether a GGUF is an EAGLE-3 head (llama.cpp runs it only beside its target, as `--spec-type draft-eagle3`)."""
-    from gguf import GGUFReader
-
-    field = GGUFReader(path).fields.get("general.architecture")
+    field = read_gguf(path).fields.get("general.architecture")
     return field is not None and bytes(field.parts[field.data[0]]).decode() == "eagle3"

@@ -17,7 +17,7 @@ from collections import Counter, defaultdict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from spectune.config import Settings
 
@@ -42,6 +42,12 @@ class NgramSettings(Settings):
         "this: what one more token costs the target's verification, in one-token steps (r(2) - 1, which the bench "
         "prints; about 0.5 on a 2-core CPU, near 0 on a GPU). 0: every token the tables know, up to k.",
     )
+
+    @model_validator(mode="after")
+    def _lengths(self) -> NgramSettings:
+        if self.min_n > self.max_n:
+            raise ValueError(f"min_n {self.min_n} is above max_n {self.max_n}")
+        return self
 
 
 # Pseudo-counts behind a kind of lookup's kept/expected ratio before any were verified: a few verified tokens move it.
@@ -85,8 +91,6 @@ class NgramProposal:
 def domain_table(settings: NgramSettings, answers: Iterable[list[int]]) -> NgramTable:
     """The domain table of these answers (empty where the settings turn the domain off); read-only once built, so
     one serves every slot of a server."""
-    if settings.min_n > settings.max_n:
-        raise ValueError(f"ngram min_n {settings.min_n} is above max_n {settings.max_n}")
     table = NgramTable(settings.min_n, settings.max_n)
     for answer in answers if settings.domain else ():
         table.add(answer)
@@ -108,7 +112,11 @@ class NgramDrafter:
     def __init__(self, settings: NgramSettings, domain: NgramTable | None = None) -> None:
         self.settings = settings
         self.domain = domain if domain is not None else domain_table(settings, [])
-        self.context = NgramTable(settings.min_n, settings.max_n)
+        self.forget()
+
+    def forget(self) -> None:
+        """Start anew: no conversation, and no trust learned from one (it would tell of another caller's)."""
+        self.context = NgramTable(self.settings.min_n, self.settings.max_n)
         self.indexed: list[int] = []  # the sequence the context table holds
         # Per kind of lookup, tokens kept and the sum of their table chances, over tokens the target verified
         # (those after a rejected one were never judged): how far the tables' chances are to be trusted.

@@ -299,10 +299,11 @@ class Stats:
 
 class TextStream:
     """Detokenizes as tokens arrive and releases only text that is final: an incomplete UTF-8 character, or a tail
-    that could still grow into a stop string, is held back until the next tokens decide it."""
+    that could still grow into a stop string, is held back until the next tokens decide it. Control tokens (a chat
+    template's <|im_start|>) are not text; a stop string counts only once `min_tokens` tokens are out (vLLM's rule)."""
 
-    def __init__(self, model: LlamaModel, stop: list[str]) -> None:
-        self.model, self.stop = model, [s for s in stop if s]
+    def __init__(self, model: LlamaModel, stop: list[str], min_tokens: int = 0) -> None:
+        self.model, self.stop, self.min_tokens = model, [s for s in stop if s], min_tokens
         self.decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
         self.text = ""
         self.sent = 0
@@ -322,16 +323,24 @@ class TextStream:
     def add(self, tokens: list[int]) -> str:
         """The newly final text after `tokens`; sets `stopped` when a stop string appeared (it is cut off)."""
         for token in tokens:
-            self.text += self.decoder.decode(self.model.piece(token))
+            self.text += self.decoder.decode(self.model.piece(token, special=False))
             self.token_ends.append(len(self.text))
-        longest = max((len(s) for s in self.stop), default=0)
-        search_from = max(0, self.sent - longest)
-        hits = [i for i in (self.text.find(s, search_from) for s in self.stop) if i >= 0]
-        if hits:
-            self.text, self.stopped = self.text[: min(hits)], True
+        cut = self._first_stop()
+        if cut is not None:
+            self.text, self.stopped = self.text[:cut], True
             return self._release(len(self.text))
         held = max((_stop_overlap(self.text, stop) for stop in self.stop), default=0)
         return self._release(len(self.text) - held)
+
+    def _first_stop(self) -> int | None:
+        """Where the first stop string starts in the text not yet searched, or None. Before min_tokens tokens none
+        counts, and after them one counts only if it ends past their text (vLLM's rule)."""
+        if len(self.token_ends) < self.min_tokens:
+            return None
+        floor = self.token_ends[self.min_tokens - 1] if self.min_tokens else 0
+        search_from = max(0, self.sent - max((len(s) for s in self.stop), default=0))
+        hits = [self.text.find(s, max(search_from, floor - len(s) + 1)) for s in self.stop]
+        return min((i for i in hits if i >= 0), default=None)
 
     def finish(self) -> str:
         """What was held back, once no more tokens come."""
@@ -430,10 +439,13 @@ class SpeculativeDecoder:
         self.progress = Stats()  # the running generation's statistics, as they grow (a server's live usage)
 
     def forget(self) -> None:
-        """Drop both KV caches (the next prompt shares nothing with the previous one, e.g. another caller's)."""
+        """Drop both KV caches and what the lookup learned (the next prompt shares nothing with the previous one,
+        e.g. another caller's)."""
         self.target.truncate(0)
         if self.drafter is not None and self.drafter.model is not None:
             self.drafter.model.truncate(0)
+        if self.drafter is not None and self.drafter.ngram is not None:
+            self.drafter.ngram.forget()
 
     def _prefill(self, prompt: list[int], stats: Stats, keep_going: Callable[[], bool]) -> bool:
         """Decode all but the prompt's last token, reusing the KV of a prefix a previous turn left; batch by
@@ -501,7 +513,7 @@ class SpeculativeDecoder:
             stats.finish_reason = "cancelled"
             return Generation([], "", stats)
         sampler = make_sampler(config)
-        stream = TextStream(self.target, config.stop)
+        stream = TextStream(self.target, config.stop, config.min_tokens)
         sequence = list(prompt)  # every token so far; the last one is not yet in the target's cache
         output: list[int] = []
         k = config.k

@@ -26,7 +26,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from pydantic import Field, ValidationError, model_validator
-from uvicorn.protocols.http.h11_impl import H11Protocol
+from starlette.requests import ClientDisconnect
 
 from spectune.data.read import assistant_turns
 from spectune.engines.llama_server import free_port
@@ -38,6 +38,7 @@ from spectune.runtime.decode import DecodeSettings
 from spectune.runtime.llama import LlamaModel, is_eagle3_gguf
 from spectune.runtime.ngram import NgramDrafter, NgramSettings, NgramTable, domain_of_texts
 from spectune.runtime.speculative import FirstWords, Generation, SpeculativeDecoder, Stats
+from spectune.serve.connections import BODY_TIMED_OUT, guarded_protocol
 from spectune.serve.schema import ChatRequest, lone_surrogate, unsupported_parameter
 
 # What llama-server has no equivalent for (its request size, queue, time and connection limits are its own).
@@ -47,7 +48,9 @@ SPECTUNE_ONLY = {
     "max_seconds",
     "reuse_prefix",
     "limit_concurrency",
+    "max_connections",
     "header_timeout",
+    "body_timeout",
     "keep_alive",
     "first_words",
     "ngram_data",  # llama-server's n-gram speculator reads the conversation only
@@ -88,10 +91,16 @@ class ServeConfig(DecodeSettings):
         "catches up (alone), or whichever this server has measured to come sooner (auto). The first token is "
         "always the target's own.",
     )
-    limit_concurrency: int = Field(64, ge=1, description="Open connections and requests at most; 503 past it.")
+    limit_concurrency: int = Field(
+        64, ge=1, description="Requests waiting for or holding a slot at most; 503 past it (/health never waits)."
+    )
+    max_connections: int = Field(
+        1024, ge=2, description="Open connections at most; past it a new one closes the oldest that holds no request."
+    )
     header_timeout: float = Field(
         10.0, gt=0, description="Seconds a connection may take to send a request's headers (half-open, slowloris)."
     )
+    body_timeout: float = Field(10.0, gt=0, description="Seconds a request's body may take after its headers (408).")
     keep_alive: float = Field(5.0, gt=0, description="Seconds an idle keep-alive connection stays open.")
     ngram: NgramSettings | None = Field(
         None, description="N-gram lookup in front of the draft (or alone): the conversation's, and the domain's."
@@ -117,6 +126,8 @@ class ServeConfig(DecodeSettings):
                 self.ngram_data = Path(chosen["ngram_data"]) if use_data else self.ngram_data
         if self.target is None:
             raise ValueError("give --target (and --draft), or --run RUN_DIR")
+        if self.ngram_data is not None and self.ngram is None:
+            raise ValueError("--ngram-data fills n-gram lookup's domain table: give --ngram too (e.g. --ngram on)")
         if self.engine == "spectune" and self.draft is not None and self.draft.is_file() and is_eagle3_gguf(self.draft):
             raise ValueError(
                 f"{self.draft} is an EAGLE-3 head: serve it with --engine llama.cpp (spectune's own loop cannot hand "
@@ -186,6 +197,13 @@ def make_metrics(registry: CollectorRegistry) -> dict[str, Any]:
         "acceptance": Gauge("spectune_acceptance_rate", "Acceptance rate of the last request", registry=registry),
         "accepted_len": Gauge("spectune_mean_accepted_len", "Tokens per target pass, last request", registry=registry),
         "queue": Gauge("spectune_queue_depth", "Requests waiting for a slot", registry=registry),
+        "connections_closed": Counter(
+            "spectune_connections_closed",
+            "Connections the server closed: header_timeout, body_timeout, evicted (the oldest without a request, to "
+            "make room past max_connections), full, answered_before_body",
+            ["reason"],
+            registry=registry,
+        ),
         "slots_in_use": Gauge("spectune_slots_in_use", "Slots running a generation", registry=registry),
     }
 
@@ -217,6 +235,7 @@ class Server:
         for _ in range(config.slots):
             self.slots.put_nowait(Slot(config, domain))
         self.jobs: set[Job] = set()
+        self.queued = 0  # requests waiting for a slot (with the jobs: the requests in progress)
         self.closing = False
         self.closed = asyncio.Event()  # wakes the requests waiting for a slot when the server stops
         self.loop: asyncio.AbstractEventLoop | None = None
@@ -231,6 +250,7 @@ class Server:
         thread (not from a signal handler: see SpectuneUvicorn); the generations end at their next step."""
         self.closing = True
         for job in list(self.jobs):
+            job.aborted = True
             job.cancel.set()
         if self.loop is not None and not self.loop.is_closed():
             with contextlib.suppress(RuntimeError):
@@ -259,6 +279,11 @@ class Server:
         limit = self.config.max_request_bytes
         try:
             body = json.loads(await read_body(request, limit))
+        except ClientDisconnect:  # hung up mid-upload, or cut by the server for its slowness: no answer can be sent
+            if request.scope.get(BODY_TIMED_OUT):
+                message = f"the request body did not arrive within {self.config.body_timeout:g} s"
+                return self.fail(408, message, "request_timeout")
+            return self.fail(499, "the client went away during the upload", "client_closed")
         except TooLarge:
             return self.fail(413, f"request larger than {limit} bytes", "invalid_request_error")
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
@@ -289,13 +314,18 @@ class Server:
         """A free slot, waited for in arrival order; 503 past the queue timeout or when the server stops."""
         if self.closing:
             return self.fail(503, "the server is shutting down", "server_shutting_down")
+        if self.queued + len(self.jobs) >= self.config.limit_concurrency:
+            message = f"{self.config.limit_concurrency} requests are in progress; retry shortly"
+            return self.fail(503, message, "server_busy", headers={"Retry-After": "1"})
         self.metrics["queue"].inc()
+        self.queued += 1
         getter = asyncio.ensure_future(self.slots.get())
         stopping = asyncio.ensure_future(self.closed.wait())
         try:
             await asyncio.wait({getter, stopping}, timeout=self.config.queue_timeout, return_when="FIRST_COMPLETED")
         finally:
             self.metrics["queue"].dec()
+            self.queued -= 1
             stopping.cancel()
             getter.cancel()  # a no-op when it already has its slot
         slot = getter.result() if getter.done() and not getter.cancelled() else None
@@ -304,6 +334,8 @@ class Server:
                 self.slots.put_nowait(slot)
             if self.closing:
                 return self.fail(503, "the server is shutting down", "server_shutting_down")
+            if await request.is_disconnected():  # gave up waiting before the server did
+                return self.fail(499, "the client went away while waiting", "client_closed")
             retry = str(max(1, int(self.config.queue_timeout)))
             return self.fail(503, "all slots are busy; retry shortly", "server_busy", headers={"Retry-After": retry})
         self.metrics["slots_in_use"].inc()
@@ -382,6 +414,8 @@ class Server:
         if hung_up:
             return self.fail(499, "the client went away", "client_closed")
         generation = job.done.result()
+        if job.aborted:  # an answer cut short must not read as whole
+            return self.fail(503, cut_message(generation.stats), "server_shutting_down")
         self.record(job, generation.stats)
         return {
             "id": job.id,
@@ -404,16 +438,18 @@ class Server:
         pending = ""
         finished = False
         continuous = chat.stream_options is not None and chat.stream_options.continuous_usage_stats
+        counted: dict[str, Any] | None = None  # the usage as of the last text read
         yield sse(self.chunk(job, {"role": "assistant", "content": ""}, None))
         try:
-            while (text := await job.queue.get()) is not None:
+            while (item := await job.queue.get()) is not None:
                 if await request.is_disconnected():
                     job.cancel.set()
+                text, counted = item
                 pending += text
                 cut = max((m.end() for m in CLAUSE_END.finditer(pending)), default=0)
                 piece, pending = (pending[:cut], pending[cut:]) if chat.chunking == "sentence" else (pending, "")
                 if piece:
-                    yield sse(self.chunk(job, {"content": piece}, None, continuous))
+                    yield sse(self.chunk(job, {"content": piece}, None, counted if continuous else None))
             try:
                 generation = await job.result()
             except Exception as exc:  # the stream says so and ends properly, and /metrics counts it
@@ -422,11 +458,18 @@ class Server:
                 yield sse(error_body(500, f"generation failed: {exc}", "server_error")[1])
                 yield b"data: [DONE]\n\n"
                 return
+            whole = usage(generation.stats)
             if pending:
-                yield sse(self.chunk(job, {"content": pending}, None, continuous))
-            final = self.chunk(job, {}, job.finish_reason(), continuous)
+                yield sse(self.chunk(job, {"content": pending}, None, counted if continuous else None))
+            final = self.chunk(job, {}, job.finish_reason(), whole if continuous else None)
             final["spectune"] = stats_json(generation.stats)
             yield sse(final)
+            if job.aborted:  # the stream says the answer was cut, and /metrics counts it so
+                finished = True
+                self.metrics["requests"].labels(status="503").inc()
+                yield sse(error_body(503, cut_message(generation.stats), "server_shutting_down")[1])
+                yield b"data: [DONE]\n\n"
+                return
             if chat.stream_options and chat.stream_options.include_usage:  # OpenAI: a last chunk with no choices
                 yield sse({**self.chunk(job, {}, None), "choices": [], "usage": usage(generation.stats)})
             yield b"data: [DONE]\n\n"
@@ -445,7 +488,7 @@ class Server:
         self.metrics["acceptance"].set(stats.acceptance_rate)
         self.metrics["accepted_len"].set(stats.mean_accepted_len)
 
-    def chunk(self, job: Job, delta: dict, reason: str | None, with_usage: bool = False) -> dict[str, Any]:
+    def chunk(self, job: Job, delta: dict, reason: str | None, counts: dict[str, Any] | None = None) -> dict[str, Any]:
         body = {
             "id": job.id,
             "object": "chat.completion.chunk",
@@ -454,8 +497,8 @@ class Server:
             "system_fingerprint": self.fingerprint,
             "choices": [{"index": 0, "delta": delta, "finish_reason": reason}],
         }
-        if with_usage:  # vLLM's continuous_usage_stats: the counts so far in every chunk
-            body["usage"] = usage(job.slot.decoder.progress)
+        if counts is not None:  # vLLM's continuous_usage_stats: this answer's counts so far in every chunk
+            body["usage"] = counts
         return body
 
 
@@ -473,6 +516,9 @@ class Guard:
         self.app, self.server = app, server
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] == "lifespan":
+            await self.lifespan(scope, receive, send)
+            return
         if scope["type"] == "http":
             config = self.server.config
             headers = {name.decode("latin-1").lower(): value.decode("latin-1") for name, value in scope["headers"]}
@@ -501,11 +547,35 @@ class Guard:
 
         try:
             await self.app(scope, receive, sending)
+        except asyncio.CancelledError:
+            # uvicorn's forced quit (a second Ctrl-C) cancels the requests in flight: a caller gets the JSON 503 of a
+            # server shutting down where nothing was sent yet, never uvicorn's plain-text 500 and a traceback
+            if not self.server.closing or scope["type"] != "http":
+                raise
+            if not started:
+                with contextlib.suppress(Exception):
+                    shutting = self.server.fail(503, "the server is shutting down", "server_shutting_down")
+                    await shutting(scope, receive, send)
         except Exception as exc:  # a bug, not the caller's fault: a JSON 500 that /metrics counts, and the log
             log.exception("unhandled error in %s", scope.get("path"))
             if scope["type"] != "http" or started:
                 raise
             await self.server.fail(500, f"internal error: {type(exc).__name__}", "server_error")(scope, receive, send)
+
+    async def lifespan(self, scope: dict, receive: Any, send: Any) -> None:
+        """A forced quit (a second Ctrl-C) cancels the lifespan's wait for the shutdown message: Starlette reports
+        that as a failed shutdown with a traceback, though the generations are still cancelled and joined (the
+        CLI's `serve`). Not a failure: nothing is logged."""
+
+        async def sending(message: dict) -> None:
+            if not (message["type"] == "lifespan.shutdown.failed" and self.server.closing):
+                await send(message)
+
+        try:
+            await self.app(scope, receive, sending)
+        except asyncio.CancelledError:
+            if not self.server.closing:
+                raise
 
 
 def create_app(config: ServeConfig) -> FastAPI:
@@ -542,8 +612,8 @@ def sse(payload: dict[str, Any]) -> bytes:
     return f"data: {json.dumps(payload)}\n\n".encode()
 
 
-def finish(stats: Stats) -> str:
-    return "stop" if stats.finish_reason in ("stop", "cancelled") else "length"
+def cut_message(stats: Stats) -> str:
+    return f"the server shut down while answering: the answer was cut after {stats.generated} tokens"
 
 
 def usage(stats: Stats) -> dict[str, Any]:
@@ -594,7 +664,10 @@ class Job:
         self.arrived = arrived  # when the request came (perf_counter): the caller's time to first token runs from it
         self.started = time.perf_counter()  # the generation's start, set again when its thread begins
         self.timed_out = False
-        self.queue: asyncio.Queue[str | None] = asyncio.Queue()
+        self.aborted = False  # cut by the server's shutdown, not by the caller or a limit
+        # each piece of text with the usage counted when it was made (the slot's live counts move on to the next
+        # request while a slow reader still reads this one's)
+        self.queue: asyncio.Queue[tuple[str, dict[str, Any]] | None] = asyncio.Queue()
         self.cancel = threading.Event()
         self.done: asyncio.Future = loop.create_future()
         self.thread = threading.Thread(target=self._run, daemon=True)
@@ -603,6 +676,9 @@ class Job:
         self.thread.start()
 
     def finish_reason(self) -> str:
+        """OpenAI's reasons, and vLLM's `abort` for an answer the server's shutdown cut."""
+        if self.aborted:
+            return "abort"
         reason = self.done.result().stats.finish_reason
         return "length" if reason == "length" or self.timed_out else "stop"
 
@@ -614,7 +690,7 @@ class Job:
     def _run(self) -> None:
         def on_text(text: str) -> bool:
             if text:
-                self._call(self.queue.put_nowait, text)
+                self._call(self.queue.put_nowait, (text, usage(self.slot.decoder.progress)))
             if time.monotonic() > self.deadline:
                 self.timed_out = True
             return not (self.cancel.is_set() or self.timed_out)
@@ -636,36 +712,6 @@ class Job:
 
     async def result(self) -> Generation:
         return await asyncio.shield(self.done)
-
-
-class HeaderTimedH11(H11Protocol):
-    """uvicorn's HTTP/1.1 protocol with a deadline for each request's headers, the first on a connection and every
-    later one on a kept-alive connection: one that never completes a request (half-open, or a slowloris trickling
-    bytes, which resets uvicorn's keep-alive timer) is closed, where uvicorn would keep it."""
-
-    header_timeout = 10.0
-
-    def connection_made(self, transport: Any) -> None:
-        super().connection_made(transport)
-        self._await_headers()
-
-    def _await_headers(self) -> None:
-        self.awaited_after = self.cycle  # the request before the one whose headers are awaited
-        self.header_deadline = self.loop.call_later(self.header_timeout, self._too_slow)
-
-    def handle_events(self) -> None:
-        super().handle_events()
-        if self.cycle is not self.awaited_after:  # its headers are in: its body and answer have their own limits
-            self.header_deadline.cancel()
-
-    def on_response_complete(self) -> None:
-        super().on_response_complete()
-        self.header_deadline.cancel()
-        self._await_headers()
-
-    def _too_slow(self) -> None:
-        if self.cycle is self.awaited_after and not self.transport.is_closing():
-            self.transport.close()
 
 
 class SpectuneUvicorn(uvicorn.Server):
@@ -694,13 +740,19 @@ class SpectuneUvicorn(uvicorn.Server):
 def make_uvicorn(config: ServeConfig, host: str | None = None, port: int | None = None, **options: Any) -> Any:
     """The spectune app in uvicorn with the server's connection limits."""
     app = create_app(config)
-    protocol = type("HeaderTimedH11", (HeaderTimedH11,), {"header_timeout": config.header_timeout})
+    closed = app.state.server.metrics["connections_closed"]
+    protocol = guarded_protocol(
+        config.header_timeout,
+        config.body_timeout,
+        config.max_connections,
+        lambda reason: closed.labels(reason=reason).inc(),
+    )
     settings = uvicorn.Config(
         app,
         host=host or config.host,
         port=config.port if port is None else port,
         http=protocol,
-        limit_concurrency=config.limit_concurrency,
+        limit_concurrency=None,  # uvicorn would count idle connections too: see serve/connections.py
         timeout_keep_alive=config.keep_alive,
         **options,
     )

@@ -14,23 +14,25 @@ import typer
 from spectune.errors import SpectuneError
 
 
-def run_call(server: str, api_key: str | None, speak: bool, system: str | None) -> None:
+def run_call(server: str, api_key: str | None, speak: bool, system: str | None, timeout: float = 30.0) -> None:
     if not server.startswith(("http://", "https://")):
         raise SpectuneError(f"--server {server}: give a URL with its scheme, e.g. http://127.0.0.1:8000")
     try:
-        _converse(server, api_key, speak, system)
+        _converse(server, api_key, speak, system, timeout)
+    except httpx.TimeoutException as exc:
+        raise SpectuneError(f"--server {server}: no answer within {timeout:g} s ({type(exc).__name__})") from exc
     except httpx.TransportError as exc:
         raise SpectuneError(f"--server {server}: cannot reach it ({type(exc).__name__}: {exc})") from exc
 
 
-def _converse(server: str, api_key: str | None, speak: bool, system: str | None) -> None:
+def _converse(server: str, api_key: str | None, speak: bool, system: str | None, timeout: float) -> None:
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     voice = shutil.which("espeak-ng") if speak else None
     if speak and voice is None:
         typer.echo("espeak-ng is not installed: answers are shown, not spoken")
     messages = [{"role": "system", "content": system}] if system else []
     call_id = f"call-{uuid.uuid4().hex[:12]}"  # the server reuses this call's cached prefix turn after turn
-    with httpx.Client(base_url=server, headers=headers, timeout=120) as client:
+    with httpx.Client(base_url=server, headers=headers, timeout=timeout) as client:
         while True:
             try:
                 text = typer.prompt("you", prompt_suffix="> ")
@@ -63,8 +65,10 @@ def _turn(client: httpx.Client, body: dict, voice: str | None) -> tuple[str, str
                 continue
             chunk = json.loads(line[6:])
             if "error" in chunk:
-                typer.echo(f"\nerror: {chunk['error']['message']}")
+                typer.echo(f"\n[the answer was cut: {chunk['error']['message']}]")
                 break
+            if chunk["choices"] and chunk["choices"][0].get("finish_reason") == "abort":
+                typer.echo("\n[the server stopped: the answer above is not whole]")
             stats, usage = chunk.get("spectune", stats), chunk.get("usage", usage)
             delta = chunk["choices"][0]["delta"].get("content") if chunk["choices"] else None
             if delta:
