@@ -144,3 +144,13 @@ def test_predict_refuses_bad_input_saying_what(capsys, args, message):
         main(["predict", *args])
     assert exited.value.code != 0
     assert message in capsys.readouterr().err
+
+
+def test_a_model_folder_is_read_at_q4_k_m_and_a_bad_one_is_named(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"text_config": {"num_hidden_layers": 6}}))
+    (tmp_path / "model.safetensors").write_bytes(bytes(2000))  # 1,000 parameters at 16 bits
+    weights = shape_weights(str(tmp_path))
+    assert (weights.layers, weights.total) == (6, round(1000 * 4.85 / 8))
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(SpectuneError, match="num_hidden_layers"):
+        shape_weights(str(tmp_path))
