@@ -414,7 +414,7 @@ class Server:
         if hung_up:
             return self.fail(499, "the client went away", "client_closed")
         generation = job.done.result()
-        if job.aborted:  # an answer cut short must not read as whole
+        if job.cut_by_shutdown:  # an answer cut short must not read as whole
             return self.fail(503, cut_message(generation.stats), "server_shutting_down")
         self.record(job, generation.stats)
         return {
@@ -464,7 +464,7 @@ class Server:
             final = self.chunk(job, {}, job.finish_reason(), whole if continuous else None)
             final["spectune"] = stats_json(generation.stats)
             yield sse(final)
-            if job.aborted:  # the stream says the answer was cut, and /metrics counts it so
+            if job.cut_by_shutdown:  # the stream says the answer was cut, and /metrics counts it so
                 finished = True
                 self.metrics["requests"].labels(status="503").inc()
                 yield sse(error_body(503, cut_message(generation.stats), "server_shutting_down")[1])
@@ -675,9 +675,14 @@ class Job:
     def start(self) -> None:
         self.thread.start()
 
+    @property
+    def cut_by_shutdown(self) -> bool:
+        """The server's shutdown stopped this generation before it ended by itself (not one that had just ended)."""
+        return self.aborted and self.done.result().stats.finish_reason == "cancelled"
+
     def finish_reason(self) -> str:
         """OpenAI's reasons, and vLLM's `abort` for an answer the server's shutdown cut."""
-        if self.aborted:
+        if self.cut_by_shutdown:
             return "abort"
         reason = self.done.result().stats.finish_reason
         return "length" if reason == "length" or self.timed_out else "stop"

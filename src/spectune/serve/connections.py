@@ -74,9 +74,10 @@ class GuardedH11(H11Protocol):
                 self.body_deadline = self.loop.call_later(self.body_timeout, self._body_too_slow, cycle)
 
     def on_response_complete(self) -> None:
+        answered = self.cycle
         super().on_response_complete()
         self.header_deadline.cancel()
-        if self.cycle is not None and self.cycle.more_body:  # answered before its body came: nothing more to read
+        if answered is not None and answered.more_body:  # answered before its body came: nothing more to read
             self._close(self, "answered_before_body")
             return
         self._await_headers()
