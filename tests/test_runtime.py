@@ -219,8 +219,11 @@ def test_bench_writes_its_report(ggufs, demo_data, tmp_path):
     assert summary["n"] == 3 and summary["identical"] == 3 and summary["exact"] is True
     assert summary["first_words_prompts"] == 2  # prompts 1 and 3: a new caller's first words on one in two
     assert summary["worst_speedup"] <= summary["mean_speedup"] <= summary["best_speedup"]
-    assert summary["cost_ratio"] > 0 and summary["verify_ratio"] >= 1.0 - 0.5
-    assert summary["predicted_speedup_gpu"] > 0 and summary["mean_accepted_len"] >= 1.0
+    # measured here: a draft step costs something, and verifying k + 1 tokens is no cheaper than one on this CPU
+    assert summary["cost_ratio"] > 0 and summary["verify_ratio"] >= 0.9
+    # S = τ / mean(1 + d·c) over steps drafting d <= k = 4 tokens: between τ / (1 + 4c) and τ
+    tau, c = summary["mean_accepted_len"], summary["gpu_cost_ratio"]
+    assert tau >= 1.0 and tau / (1 + 4 * c) <= summary["predicted_speedup_gpu"] <= tau
     # a caller's waits: the first sentence comes no sooner than the first token
     assert 0 < summary["target_ttft_ms"] <= summary["target_ttfs_ms"] and 0 < summary["ttft_ms"] <= summary["ttfs_ms"]
     # a new caller's: the prompt's prefill is in both, and the first sentence still comes after the first token

@@ -697,9 +697,10 @@ def plan(config: PlanConfig) -> None:
     )
     if "draft" in report:
         params, c = report["draft"]["params"], report["draft"]["cost_ratio"]
+        low, high = c["on_card_band"]
         console.print(
-            f"draft {config.draft}: {params / 1e9:.2f}B parameters, c = {c:.3f} "
-            "(draft step / target step on a memory-bound GPU, by the weights each reads per token)"
+            f"draft {config.draft}: {params / 1e9:.2f}B parameters; c (draft step / target step) = {c['bytes']:.3f} "
+            f"by what a step reads at Q4_K_M, {c['on_card']:.3f} ({low:.3f}-{high:.3f}) {c['card']}"
         )
     if config.json_out:
         config.json_out.write_text(json.dumps(report, indent=2))

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 GPU_VERIFY_RATIO = 1.0  # memory-bound decoding: k+1 tokens cost what one does
 MAX_DRAFT_LEN = 8  # the longest k the acceptance meter considers
+Q4_K_M_BITS = 4.85  # llama.cpp's Q4_K_M stores about this many bits a weight, on average over a model
 DEFAULT_DRAFT_MAX = MAX_DRAFT_LEN  # k where no measured recommendation exists
 GPU_PROFILE = "gpu"  # the memory-bound GPU profile, whose best k is each draft's recommended k
 

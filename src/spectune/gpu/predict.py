@@ -17,9 +17,8 @@ from spectune.errors import SpectuneError
 from spectune.gpu.card import GpuCard, card_named, custom_card, reference_card
 from spectune.gpu.published import published
 from spectune.runtime.profile import gguf_weights
-from spectune.speedup import MAX_DRAFT_LEN, Weights, verify_ratio_at
+from spectune.speedup import MAX_DRAFT_LEN, Q4_K_M_BITS, Weights, verify_ratio_at
 
-Q4_K_M_BYTES_PER_PARAM = 4.85 / 8  # a folder's weights, as the export would store them at Q4_K_M
 STORY_GOALS = (1.7, 2.2)  # the reference story's mean and best speedups
 
 
@@ -72,7 +71,7 @@ def _folder_weights(folder: Path) -> Weights:
     params = sum(f.stat().st_size for f in folder.glob("*.safetensors")) / 2
     if not params:
         raise SpectuneError(f"{folder}: no .safetensors weights")
-    return Weights(round(params * Q4_K_M_BYTES_PER_PARAM), 0, 1, False, int(config["num_hidden_layers"]))
+    return Weights(round(params * Q4_K_M_BITS / 8), 0, 1, False, int(config["num_hidden_layers"]))
 
 
 def expected_tokens_by_position(alphas: list[float], k: int) -> float:

@@ -23,12 +23,13 @@ from pydantic import Field
 
 from spectune.config import Settings
 from spectune.errors import SpectuneError
+from spectune.gpu.card import reference_card
+from spectune.speedup import Q4_K_M_BITS, Weights, step_cost_ratio
 from spectune.train.common import TrainSettings
 from spectune.train.target import FinetuneSettings
 
 GIB = 2**30
 NF4_BITS = 4.0 + 8 / 64 + 32 / (64 * 256)  # 4-bit codes, 8-bit absmax per 64, f32 scale per 256 absmax
-Q4_K_M_BITS = 4.85
 MARGIN = 1.10
 
 
@@ -93,10 +94,26 @@ class Shape:
         return 2 * values
 
 
-def cost_ratio(target: Shape, draft: Shape) -> float:
-    """c on a memory-bound GPU: one draft step over one target step, as the weights each streams per token (the
-    same 4-bit type for both, so their parameter counts; the tied head is read whole, the embedding lookup is not)."""
-    return draft.params / target.params
+def step_weights(shape: Shape) -> Weights:
+    """What one decode step of this shape reads at Q4_K_M, in bytes (the type's mean width for every matrix)."""
+
+    def at_width(elements: int) -> int:
+        return round(elements * Q4_K_M_BITS / 8)
+
+    return Weights(at_width(shape.params), at_width(shape.vocab * shape.hidden), shape.vocab, shape.tied, shape.layers)
+
+
+def cost_ratio(target: Shape, draft: Shape) -> dict[str, Any]:
+    """c, one draft step over one target step, as the bench reports it: by what a step reads (a tied head is read
+    whole, an untied embedding table one row a step), and predicted on the reference card with its band."""
+    target_weights, draft_weights = step_weights(target), step_weights(draft)
+    card = reference_card()
+    return {
+        "bytes": step_cost_ratio(draft_weights, target_weights),
+        "card": card.label,
+        "on_card": card.cost_ratio(draft_weights, target_weights),
+        "on_card_band": card.cost_ratio_band(draft_weights, target_weights),
+    }
 
 
 def read_shape(path: str | Path) -> Shape:

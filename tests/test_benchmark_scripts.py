@@ -1,0 +1,83 @@
+"""The arithmetic behind the README's columns that benchmark scripts compute: exact expectations on hand-built rows."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+from spectune.gpu.card import reference_card
+from spectune.speedup import Weights
+
+BENCHMARKS = Path(__file__).parent.parent / "benchmarks"
+
+
+def script(name: str):
+    sys.path.insert(0, str(BENCHMARKS))  # the scripts import their siblings (pipeline_run)
+    try:
+        spec = importlib.util.spec_from_file_location(name, BENCHMARKS / f"{name}.py")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module
+    finally:
+        sys.path.remove(str(BENCHMARKS))
+
+
+def test_an_eagle3_answer_is_the_target_alones_or_its_continuation_past_the_limit():
+    same_answer = script("eagle3").same_answer
+    assert same_answer("Table for two.", "Table for two.", cut=False)
+    assert not same_answer("Table for two. At", "Table for two.", cut=False)  # ran on though the target stopped
+    assert same_answer("Table for two. At", "Table for two.", cut=True)  # the tool decodes past -n
+    assert not same_answer(None, "Table", cut=True)
+    assert not same_answer("Tables for", "Table for two", cut=True)
+
+
+def test_the_eagle3_summary_counts_tokens_seconds_and_identical_answers():
+    eagle3 = script("eagle3")
+    rows = [
+        {
+            "variants": {
+                eagle3.TARGET: {"tokens": 10},
+                "head": {"tokens": 10, "seconds": 0.5, "drafted": 8, "accepted": 6, "identical": True},
+            }
+        },
+        {
+            "variants": {
+                eagle3.TARGET: {"tokens": 30},
+                "head": {"tokens": 30, "seconds": 1.5, "drafted": 12, "accepted": 3, "identical": False},
+            }
+        },
+    ]
+    summary = eagle3.summary(rows, "head", baseline_seconds=4.0, accepted={})
+    assert summary["n"] == 2 and summary["tokens"] == 40 and summary["decode_seconds"] == 2.0
+    assert summary["tokens_per_second"] == 20.0
+    assert summary["over_llama_cpp_target_alone"] == pytest.approx(20.0 / (40 / 4.0))
+    assert summary["identical"] == 1 and summary["llama_cpp_acceptance"] == pytest.approx(9 / 20)
+
+
+def test_grounded_gpu_predicts_each_committed_row_on_the_card_with_its_band():
+    grounded = script("grounded_gpu")
+    card = reference_card()
+    target = Weights(total=1_000_000_000, embedding=0, rows=1, tied=False, layers=28)
+    result = {"drafts": {"seqkd": {"gpu_cost_ratio": 0.4}}, "pair": {"draft_layers": None}}
+    row = {"mean_accepted_len": 1.6, "mean_drafted_per_step": 0.9, "gpu_cost_ratio": 0.4, "predicted_speedup_gpu": 1.2}
+    out = grounded.predictions(card, result, target, "qwen2.5-coder-0.5b-instruct", "seqkd", row)
+    draft = Weights(total=400_000_000, embedding=0, rows=1, tied=False, layers=24)
+    c = card.cost_ratio(draft, target)
+    r = grounded.interpolated_ratio(card.verify_ratios(target), 1.9)
+    assert out["draft_layers"] == 24 and out["grounded_c"] == pytest.approx(c)
+    assert out["bytes_only"] == pytest.approx(1.6 / (1 + 0.9 * 0.4))
+    assert out["grounded"] == pytest.approx(1.6 / (r + 0.9 * c))
+    low, high = out["grounded_band"]
+    assert low <= out["grounded"] <= high
+    # lookup in front: the model proposed a quarter of the tokens, so a quarter of its c; lookup alone costs nothing
+    result["drafts"]["ngram+seqkd"] = {}
+    looked = grounded.predictions(
+        card, result, target, "qwen2.5-coder-0.5b-instruct", "ngram+seqkd", {**row, "gpu_cost_ratio": 0.1}
+    )
+    assert looked["grounded_c"] == pytest.approx(c * 0.25)
+    alone = grounded.predictions(card, result, target, None, "ngram", {**row, "gpu_cost_ratio": 0.0})
+    assert alone["grounded_c"] == 0.0 and alone["draft_layers"] == 0
+    assert alone["grounded"] == pytest.approx(1.6 / r)
