@@ -31,13 +31,14 @@ from spectune.atomic import atomic_path
 from spectune.bench.run import first_sentence_over_alone
 from spectune.export.gguf import export_model
 from spectune.gpu.card import GpuCard, reference_card
+from spectune.gpu.predict import on_card
 from spectune.models.imported import fetch
 from spectune.models.tokenizer import save_tokenizer
 from spectune.models.world import RECIPES, build_tokenizer, llama_config
 from spectune.pipeline import DERIVED_LAYERS
 from spectune.runtime.ngram import NGRAM
 from spectune.runtime.profile import gguf_weights
-from spectune.speedup import Weights
+from spectune.speedup import Weights, verify_ratio_between
 from spectune.threads import configure_torch_threads
 
 RESULTS = Path(__file__).parent / "results"
@@ -97,26 +98,20 @@ def model_layers(result: dict[str, Any], pair_draft: str | None, name: str) -> i
     return len(result["pair"]["draft_layers"] or DERIVED_LAYERS)
 
 
-def interpolated_ratio(verify: dict[str, float], tokens: float) -> float:
-    """r at a fractional batch size, linear between the card's integer ones (r(1) = 1)."""
-    ratios = {1: 1.0} | {int(n): r for n, r in verify.items()}
-    low = min(max(int(tokens), 1), max(ratios) - 1)
-    return ratios[low] + (ratios[low + 1] - ratios[low]) * (tokens - low)
-
-
-def on_card(card: GpuCard, target: Weights, tau: float, drafted: float, layers: int, model_c: float, share: float):
-    """(c, its band, r(d+1), S, S's band) on the card for a variant whose draft model reads `model_c` of the target's
-    bytes, runs `layers` layers and proposed `share` of the drafted tokens (0 layers: lookup alone)."""
-    if not layers:
-        c, band = 0.0, (0.0, 0.0)
-    else:
-        draft = Weights(total=round(model_c * target.step_read()), embedding=0, rows=1, tied=False, layers=layers)
-        c, band = card.cost_ratio(draft, target) * share, tuple(b * share for b in card.cost_ratio_band(draft, target))
-    low_r, high_r = card.verify_band(target)
-    verify = interpolated_ratio(card.verify_ratios(target), drafted + 1)
-    worst = tau / (interpolated_ratio(high_r, drafted + 1) + drafted * band[1])
-    best = tau / (interpolated_ratio(low_r, drafted + 1) + drafted * band[0])
-    return c, band, verify, tau / (verify + drafted * c), (worst, best)
+def card_figures(
+    card: GpuCard, target: Weights, tau: float, drafted: float, layers: int, model_c: float, share: float
+) -> dict[str, Any]:
+    """The variant on the card (spectune.gpu.predict.on_card, as `spectune predict` computes it), its draft model
+    reading `model_c` of the target's bytes and running `layers` layers (0: lookup alone)."""
+    draft = Weights(round(model_c * target.step_read()), 0, 1, False, layers) if layers else None
+    figures = on_card(card, target, draft, share, tau, drafted)
+    return {
+        "grounded_c": figures["c"],
+        "grounded_c_band": figures["c_band"],
+        "verify_ratio": verify_ratio_between(card.verify_ratios(target), drafted + 1),
+        "grounded": figures["speedup"],
+        "grounded_band": figures["speedup_band"],
+    }
 
 
 def predictions(card: GpuCard, result: dict, target: Weights, pair_draft: str | None, name: str, row: dict) -> dict:
@@ -131,7 +126,6 @@ def predictions(card: GpuCard, result: dict, target: Weights, pair_draft: str | 
     model_c = 0.0 if model == NGRAM else result["drafts"][model].get("gpu_cost_ratio", bytes_c)
     share = bytes_c / model_c if model_c else 0.0
     layers = 0 if model == NGRAM else model_layers(result, pair_draft, name)
-    c, band, verify, grounded, grounded_band = on_card(card, target, tau, drafted, layers, model_c, share)
     return {
         "tau": tau,
         "mean_drafted": drafted,
@@ -139,11 +133,7 @@ def predictions(card: GpuCard, result: dict, target: Weights, pair_draft: str | 
         "bytes_only": tau / (1 + drafted * bytes_c),
         "bytes_only_committed": committed,
         "draft_layers": layers,
-        "grounded_c": c,
-        "grounded_c_band": band,
-        "verify_ratio": verify,
-        "grounded": grounded,
-        "grounded_band": grounded_band,
+        **card_figures(card, target, tau, drafted, layers, model_c, share),
     }
 
 
@@ -170,15 +160,10 @@ def bench_report_predictions(card: GpuCard, file: str, target: Weights) -> dict[
         model_c = 0.0 if model == NGRAM else summary[model]["gpu_cost_ratio"]
         share = s["gpu_cost_ratio"] / model_c if model_c else 0.0
         layers = 0 if model == NGRAM else BENCH_REPORTS[file][model]
-        tau, drafted = s["mean_accepted_len"], s["mean_drafted_per_step"]
-        c, band, _, grounded, grounded_band = on_card(card, target, tau, drafted, layers, model_c, share)
-        out[name] = {
-            "grounded_c": c,
-            "grounded_c_band": band,
-            "grounded": grounded,
-            "grounded_band": grounded_band,
+        figures = card_figures(card, target, s["mean_accepted_len"], s["mean_drafted_per_step"], layers, model_c, share)
+        out[name] = figures | {
             "grounded_committed": s[GROUNDED],
-            "first_sentence": first_sentence(s, grounded),
+            "first_sentence": first_sentence(s, figures["grounded"]),
         }
     return out
 

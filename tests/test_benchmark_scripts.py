@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from spectune.gpu.card import reference_card
-from spectune.speedup import Weights
+from spectune.speedup import Weights, verify_ratio_between
 
 BENCHMARKS = Path(__file__).parent.parent / "benchmarks"
 
@@ -66,7 +66,7 @@ def test_grounded_gpu_predicts_each_committed_row_on_the_card_with_its_band():
     out = grounded.predictions(card, result, target, "qwen2.5-coder-0.5b-instruct", "seqkd", row)
     draft = Weights(total=400_000_000, embedding=0, rows=1, tied=False, layers=24)
     c = card.cost_ratio(draft, target)
-    r = grounded.interpolated_ratio(card.verify_ratios(target), 1.9)
+    r = verify_ratio_between(card.verify_ratios(target), 1.9)
     assert out["draft_layers"] == 24 and out["grounded_c"] == pytest.approx(c)
     assert out["bytes_only"] == pytest.approx(1.6 / (1 + 0.9 * 0.4))
     assert out["grounded"] == pytest.approx(1.6 / (r + 0.9 * c))

@@ -82,6 +82,16 @@ def first_sentence_ratio(clause_tokens: float, tau: float, speedup: float) -> fl
     return (1.0 + (later + past_end) / speedup) / clause_tokens
 
 
+def verify_ratio_between(profile: Mapping[str, float] | None, tokens: float) -> float:
+    """r at a fractional batch size (a mean over steps: d + 1 tokens, d the mean drafted), linear between the
+    profile's integer sizes (r(1) = 1); 1.0 with no profile."""
+    if not profile:
+        return 1.0
+    ratios = {1: 1.0} | {int(n): r for n, r in profile.items()}
+    low = min(max(int(tokens), 1), max(ratios) - 1)
+    return ratios[low] + (ratios[low + 1] - ratios[low]) * (tokens - low)
+
+
 def verify_ratio_at(profile: Mapping[str, float] | None, n: int) -> float:
     """r(n) from a measured profile ({"2": r2, ...}); 1.0 for n = 1 or no profile (the GPU assumption)."""
     if n <= 1 or not profile:

@@ -571,18 +571,14 @@ def gpu_predictions(
     if draft_weights:
         grounded_c = card.cost_ratio(draft_weights, target_weights) * model_share
         c_band = tuple(c * model_share for c in card.cost_ratio_band(draft_weights, target_weights))
-    low_r, high_r = card.verify_band(target_weights)
+    band = card.band_of(lambda c, r: speedup_of_steps(*steps, c, r), c_band, target_weights)  # type: ignore[arg-type]
     return {
         "gpu_cost_ratio": gpu_c,
         "predicted_speedup_gpu": speedup_of_steps(*steps, gpu_c, None),
         "gpu_card": card.label,
         "grounded_cost_ratio": grounded_c,
         "predicted_speedup_gpu_grounded": speedup_of_steps(*steps, grounded_c, card.verify_ratios(target_weights)),
-        # the band: the worst case (high c, high r) and the best (low c, low r) of the fit's error
-        "predicted_speedup_gpu_grounded_band": [
-            speedup_of_steps(*steps, c_band[1], high_r),
-            speedup_of_steps(*steps, c_band[0], low_r),
-        ],
+        "predicted_speedup_gpu_grounded_band": list(band),
     }
 
 

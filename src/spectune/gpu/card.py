@@ -3,13 +3,14 @@ leave-one-out error puts on it (spectune.gpu.fit)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from functools import cache
 
 from spectune.errors import SpectuneError
 from spectune.gpu.fit import CardModel, fit_report, read_by_batch
 from spectune.gpu.published import published
-from spectune.speedup import MAX_DRAFT_LEN, Weights, verify_ratio_at
+from spectune.speedup import MAX_DRAFT_LEN, Weights, verify_ratio_between
 
 GROUNDED_PROFILE = "gpu-grounded"  # the key of the reference card's profile in acceptance reports
 
@@ -61,13 +62,14 @@ class GpuCard:
             self.verify_ratios(target, {n: band[side] for n, band in self.read_band.items()}) for side in (0, 1)
         )  # type: ignore[return-value]
 
-    def speedup_band(self, tau: float, drafted: float, cost_band: Band, target: Weights) -> Band:
-        """S = τ / (r(d+1) + d·c) at its worst (high r, high c) and best (low r, low c), d the mean drafted."""
+    def band_of(self, speedup: Callable[[float, dict[str, float]], float], cost_band: Band, target: Weights) -> Band:
+        """A speedup's band: `speedup(c, r profile)` at its worst (the highest c and r) and best (the lowest)."""
         low_r, high_r = self.verify_band(target)
-        tokens = max(1, min(MAX_DRAFT_LEN + 1, round(drafted + 1)))
-        worst = tau / (verify_ratio_at(high_r, tokens) + drafted * cost_band[1])
-        best = tau / (verify_ratio_at(low_r, tokens) + drafted * cost_band[0])
-        return worst, best
+        return speedup(cost_band[1], high_r), speedup(cost_band[0], low_r)
+
+    def speedup_band(self, tau: float, drafted: float, cost_band: Band, target: Weights) -> Band:
+        """S = τ / (r(d+1) + d·c) at its worst and best, d the mean drafted (r interpolated between sizes)."""
+        return self.band_of(lambda c, r: tau / (verify_ratio_between(r, drafted + 1) + drafted * c), cost_band, target)
 
 
 def _card(name: str, bandwidth: float, model: CardModel | None = None) -> GpuCard:

@@ -17,7 +17,7 @@ from spectune.errors import SpectuneError
 from spectune.gpu.card import GpuCard, card_named, custom_card, reference_card
 from spectune.gpu.published import published
 from spectune.runtime.profile import gguf_weights
-from spectune.speedup import MAX_DRAFT_LEN, Q4_K_M_BITS, Weights, verify_ratio_at
+from spectune.speedup import MAX_DRAFT_LEN, Q4_K_M_BITS, Weights, verify_ratio_at, verify_ratio_between
 
 STORY_GOALS = (1.7, 2.2)  # the reference story's mean and best speedups
 
@@ -139,36 +139,38 @@ def _bench_draft(name: str, bytes_c: float, target: Weights, drafts: dict[str, W
     return draft, bytes_c / (draft.step_read() / target.step_read())
 
 
+def on_card(card: GpuCard, target: Weights, draft: Weights | None, share: float, tau: float, drafted: float) -> dict:
+    """A variant as a bench measured it (τ, and `drafted` tokens a step on average) on the card: c with its band (the
+    draft model's c times the `share` of proposals it made; None: lookup alone, which costs nothing), and
+    S = τ / (r(d+1) + d·c) with its band, r interpolated at the mean."""
+    if draft is None:
+        cost, cost_band = 0.0, (0.0, 0.0)
+    else:
+        cost = card.cost_ratio(draft, target) * share
+        cost_band = tuple(c * share for c in card.cost_ratio_band(draft, target))
+    speedup = tau / (verify_ratio_between(card.verify_ratios(target), drafted + 1) + drafted * cost)
+    band = card.speedup_band(tau, drafted, cost_band, target)  # type: ignore[arg-type]
+    return {"c": cost, "c_band": cost_band, "k": round(drafted), "tau": tau, "speedup": speedup, "speedup_band": band}
+
+
 def draft_row(
     card: GpuCard, target: Weights, name: str, drafts: dict[str, Weights], acceptance: dict[str, Any]
 ) -> dict[str, Any]:
     """One draft's prediction: c with its band, the k it would run, τ, and S with its band."""
     alone, _ = card.tokens_per_s(target)
     if acceptance.get("bytes_c") == 0.0:  # lookup alone: no model runs
-        cost, cost_band = 0.0, (0.0, 0.0)
+        draft, share = None, 0.0
+    elif name in drafts:
+        draft, share = drafts[name], 1.0
     else:
-        draft, share = (
-            (drafts[name], 1.0) if name in drafts else _bench_draft(name, acceptance["bytes_c"], target, drafts)
-        )
-        cost = card.cost_ratio(draft, target) * share
-        cost_band = tuple(c * share for c in card.cost_ratio_band(draft, target))
-    if "alphas" in acceptance:
-        k, tau, speedup = best_k(card, acceptance["alphas"], cost, target)
-        drafted = float(k)
+        draft, share = _bench_draft(name, acceptance["bytes_c"], target, drafts)
+    if "alphas" in acceptance:  # α by position: the k that pays best on the card
+        cost = card.cost_ratio(draft, target) * share if draft else 0.0
+        k, tau, _ = best_k(card, acceptance["alphas"], cost, target)
+        row = on_card(card, target, draft, share, tau, float(k))
     else:
-        tau, drafted = acceptance["tau"], acceptance["drafted"]
-        k = round(drafted)
-        speedup = tau / (verify_ratio_at(card.verify_ratios(target), round(drafted + 1)) + drafted * cost)
-    band = card.speedup_band(tau, drafted, cost_band, target)  # type: ignore[arg-type]
-    return {
-        "c": cost,
-        "c_band": cost_band,
-        "k": k,
-        "tau": tau,
-        "speedup": speedup,
-        "speedup_band": band,
-        "tokens_per_s": alone * speedup,
-    }
+        row = on_card(card, target, draft, share, acceptance["tau"], acceptance["drafted"])
+    return row | {"tokens_per_s": alone * row["speedup"]}
 
 
 def alpha_needed(card: GpuCard, cost: float, target: Weights, goal: float, ratios: dict[str, float]) -> float | None:
