@@ -234,6 +234,7 @@ class Server:
             self.slots.put_nowait(Slot(config, domain))
         self.jobs: set[Job] = set()
         self.queued = 0  # requests waiting for a slot (with the jobs: the requests in progress)
+        self.metrics["queue"].set_function(lambda: self.queued)  # the gauge reads the count, never a copy of it
         self.closing = False
         self.closed = asyncio.Event()  # wakes the requests waiting for a slot when the server stops
         self.loop: asyncio.AbstractEventLoop | None = None
@@ -315,14 +316,12 @@ class Server:
         if self.queued + len(self.jobs) >= self.config.limit_concurrency:
             message = f"{self.config.limit_concurrency} requests are in progress; retry shortly"
             return self.fail(503, message, "server_busy", headers={"Retry-After": "1"})
-        self.metrics["queue"].inc()
         self.queued += 1
         getter = asyncio.ensure_future(self.slots.get())
         stopping = asyncio.ensure_future(self.closed.wait())
         try:
             await asyncio.wait({getter, stopping}, timeout=self.config.queue_timeout, return_when="FIRST_COMPLETED")
         finally:
-            self.metrics["queue"].dec()
             self.queued -= 1
             stopping.cancel()
             getter.cancel()  # a no-op when it already has its slot
