@@ -13,10 +13,10 @@ exactly, which the table checks. The band: S at the worst (the highest c of the 
 highest published r) and the best (the lowest of both).
 
 Usage: python benchmarks/grounded_gpu.py [RESULT.json ...] [--export] [--threads N]   (default: every result)
-Writes benchmarks/results/gpu_grounded.json and prints the table, then the time to the first sentence with a draft over
-without, prompt cached (bench.run.first_sentence_over_alone): timed, the model's figure from the result's own speedup
-(its check) and its prediction on the card, for every result timed with the first token the target's own step,
-`spectune bench` reports (BENCH_REPORTS) included.
+Writes benchmarks/results/gpu_grounded.json and prints the table, then the time to the first sentence with a draft
+over without, prompt cached (bench.summary.first_sentence_over_alone): timed, the model's figure from the result's
+own speedup (its check) and its prediction on the card, for every result timed with the first token the target's own
+step, `spectune bench` reports (BENCH_REPORTS) included.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from spectune.atomic import atomic_path
-from spectune.bench.run import first_sentence_over_alone
+from spectune.bench.summary import first_sentence_over_alone
 from spectune.export.gguf import export_model
 from spectune.gpu.card import GpuCard, reference_card
 from spectune.gpu.predict import on_card
@@ -47,10 +47,10 @@ REPORT = RESULTS / "gpu_grounded.json"
 # spectune's own pair, any other a fetched model
 PAIRS = {
     "speculative_demo.json": ("demo", "demo"),
-    "speculative_medium.json": ("medium", "medium"),
-    "speculative_smollm2_sgd.json": ("smollm2-135m-instruct", None),
+    "history/speculative_medium.json": ("medium", "medium"),
+    "history/speculative_smollm2_sgd.json": ("smollm2-135m-instruct", None),
     "speculative_smollm2_sgd_ngram.json": ("smollm2-135m-instruct", None),
-    "speculative_gemma3_270m_sgd_tuned.json": ("gemma3-270m", None),
+    "history/speculative_gemma3_270m_sgd_tuned.json": ("gemma3-270m", None),
     "speculative_qwen_sgd.json": ("qwen2.5-coder-1.5b-instruct", "qwen2.5-coder-0.5b-instruct"),
     "speculative_gemma3_270m_sgd_ngram.json": ("gemma3-270m", None),
     "eagle3_smollm2_sgd.json": ("smollm2-135m-instruct", None),
@@ -139,7 +139,7 @@ def predictions(card: GpuCard, result: dict, target: Weights, pair_draft: str | 
 
 def first_sentence(row: dict[str, Any], grounded: float) -> dict[str, float] | None:
     """The first sentence over the target alone's, prompt cached: as timed, as the model puts it from the result's
-    own speedup (bench.run.first_sentence_over_alone) and as it predicts on the card; for the results timed with the
+    own speedup (bench.summary.first_sentence_over_alone) and as it predicts on the card; for the results timed with the
     first token the target's own step (they time a new caller too), None for the others."""
     if "cold_ttft_ms" not in row:
         return None

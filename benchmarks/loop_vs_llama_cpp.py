@@ -15,7 +15,8 @@ from pathlib import Path
 
 from pipeline_run import write_result
 
-from spectune.bench.run import BenchConfig, bench
+from spectune.bench.config import BenchConfig
+from spectune.bench.run import bench
 from spectune.layout import TARGET, RunLayout
 
 COLUMNS = (

@@ -18,7 +18,6 @@ CARD = "RTX 4060 Ti 16 GB"  # the reference card (spectune.gpu's published.yaml)
 # draft, the best tuned one and, where the bench ran n-gram lookup, its best variant
 PAIRS = (
     ("speculative_demo.json", "demo 17M target, 1.3M draft", "generated voice-bot dialogues"),
-    ("speculative_medium.json", "medium demo pair", "generated voice-bot dialogues"),
     ("speculative_smollm2_sgd_ngram.json", "SmolLM2-135M-Instruct, QLoRA on SGD", "SGD dev"),
     ("speculative_gemma3_270m_sgd_ngram.json", "Gemma 3 270M, QLoRA on SGD", "SGD dev"),
 )
@@ -60,7 +59,23 @@ def best_draft(drafts: dict[str, dict], looked_up: bool = False) -> str | None:
     return max(tuned, key=lambda name: tuned[name]["predicted_speedup_gpu"]) if tuned else None
 
 
-def speedup_or_not_run(figures: dict, key: str) -> str:
+MIN_TIMED_RUNS = 3  # a speed measured here is quoted only from this many interleaved runs, or a stall check
+
+
+def timed_runs(result: dict) -> int:
+    """How many timed runs per prompt a committed result rests on (its own record; older results say it in their
+    command, --one-repeat, or their config's bench.repeats, each 1 for the results quoted here)."""
+    return result.get("timed_runs") or result.get("settings", {}).get("repeats") or 1
+
+
+def quotable(result: dict) -> bool:
+    """Whether a result's speeds measured here may be quoted: enough timed runs, or every prompt stall-checked."""
+    return timed_runs(result) >= MIN_TIMED_RUNS or "retimed" in result
+
+
+def speedup_or_not_run(figures: dict, key: str, result: dict) -> str:
+    if not quotable(result):
+        return "1 run"
     return f"{figures[key]:.2f}x" if figures.get(key) else "not run"
 
 
@@ -79,14 +94,19 @@ def gpu_figures(file: str, name: str) -> str:
     )
 
 
-def row(file: str, pair: str, data: str, name: str, figures: dict) -> str:
-    over_exact, over_defaults = (
-        speedup_or_not_run(figures, f"aggregate_speedup_over_{baseline}")
-        for baseline in ("llama_cpp", "llama_cpp_defaults")
+def row(file: str, pair: str, data: str, name: str, result: dict) -> str:
+    figures = result["drafts"][name]
+    here, over_exact, over_defaults = (
+        speedup_or_not_run(figures, key, result)
+        for key in (
+            "aggregate_speedup",
+            "aggregate_speedup_over_llama_cpp",
+            "aggregate_speedup_over_llama_cpp_defaults",
+        )
     )
     return (
         f"| {pair} ({data}) | {name} | {figures['draft_max']} | {figures['n']} | {figures['identical']}/{figures['n']} "
-        f"| {figures['acceptance']:.1%} | {figures['mean_accepted_len']:.2f} | {figures['aggregate_speedup']:.2f}x "
+        f"| {figures['acceptance']:.1%} | {figures['mean_accepted_len']:.2f} | {here} "
         f"({figures['total_tokens']:,} tokens) | {over_exact} / {over_defaults} "
         f"| {gpu_figures(file, name)} |"
     )
@@ -95,22 +115,25 @@ def row(file: str, pair: str, data: str, name: str, figures: dict) -> str:
 def table() -> str:
     lines = [HEADER]
     for file, pair, data in PAIRS:
-        drafts = json.loads((RESULTS / file).read_text())["drafts"]
+        result = json.loads((RESULTS / file).read_text())
+        drafts = result["drafts"]
         for name in ("generic", best_draft(drafts), best_draft(drafts, looked_up=True)):
             if name is not None:
-                lines.append(row(file, pair, data, name, drafts[name]))
+                lines.append(row(file, pair, data, name, result))
     return "\n".join(lines)
 
 
 def headline_table() -> str:
     lines = [HEADLINE_HEADER]
-    for name, f in json.loads((RESULTS / HEADLINE).read_text())["drafts"].items():
+    result = json.loads((RESULTS / HEADLINE).read_text())
+    for name, f in result["drafts"].items():
         grounded = json.loads((RESULTS / GROUNDED).read_text())["results"][HEADLINE]["drafts"][name]
         lines.append(
             f"| {DRAFT_WORDS.get(name, name)} | {f['draft_max']} | {f['acceptance']:.1%} "
             f"| {f['mean_accepted_len']:.2f} "
-            f"| {f['identical']}/{f['n']} / {f['llama_cpp_identical']}/{f['n']} | {f['aggregate_speedup']:.2f}x / "
-            f"{speedup_or_not_run(f, 'aggregate_speedup_over_llama_cpp_defaults')} "
+            f"| {f['identical']}/{f['n']} / {f['llama_cpp_identical']}/{f['n']} "
+            f"| {speedup_or_not_run(f, 'aggregate_speedup', result)} / "
+            f"{speedup_or_not_run(f, 'aggregate_speedup_over_llama_cpp_defaults', result)} "
             f"| {grounded['bytes_only_committed']:.2f}x / {on_card(grounded)} |"
         )
     return "\n".join(lines)
@@ -119,11 +142,12 @@ def headline_table() -> str:
 def heads_table() -> str:
     lines = [HEADS_HEADER]
     for file, pair, data in HEADS:
-        for name, f in json.loads((RESULTS / file).read_text())["drafts"].items():
+        result = json.loads((RESULTS / file).read_text())
+        for name, f in result["drafts"].items():
             lines.append(
                 f"| {pair} ({data}) | {name} | {f['k']} | {f['n']} | {f['identical']}/{f['n']} "
                 f"| {f['llama_cpp_acceptance']:.1%} | {f['alpha']:.1%} / {f['tau']:.2f} "
-                f"| {f['over_llama_cpp_target_alone']:.2f}x ({f['tokens']:,} tokens) "
+                f"| {speedup_or_not_run(f, 'over_llama_cpp_target_alone', result)} ({f['tokens']:,} tokens) "
                 f"| {gpu_figures(file, name)} |"
             )
     return "\n".join(lines)

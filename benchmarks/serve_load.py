@@ -26,8 +26,9 @@ import httpx
 from spectune.data.prepare import read_prompts
 from spectune.engines.llama_server import free_port
 from spectune.runtime.build import build_name
-from spectune.serve.app import ServeConfig, serve_in_thread
+from spectune.serve.config import ServeConfig
 from spectune.serve.engine import start_llama_server
+from spectune.serve.launch import serve_in_thread
 
 RESULTS = Path(__file__).parent / "results"
 

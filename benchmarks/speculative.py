@@ -22,7 +22,7 @@ from typing import Any
 
 from pipeline_run import LEAN_SWITCHES, RESULTS, command_line, lean_overrides, run_from_command_line, write_result
 
-from spectune.bench.run import result_row
+from spectune.bench.summary import result_row
 
 
 def main() -> None:
@@ -53,6 +53,9 @@ def main() -> None:
         "pair": manifest["config"]["models"],
         "data": manifest["config"]["data"],
         "machine": f"{profile['machine']}, {bench['settings']['threads']} threads",
+        "timed_runs": bench["settings"]["repeats"],  # interleaved timed runs per prompt (medians)
+        "retimed": bench["retimed"],  # prompts timed again after a stall (bench/stalls.py)
+        "serving": bench["serving"],  # the mode `spectune serve --mode auto` would choose here (bench/serving.py)
         "drafts": drafts,
         "prompts": bench["prompts"],
     }

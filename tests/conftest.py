@@ -114,7 +114,7 @@ def messages(demo_data) -> list[dict[str, str]]:
 @contextmanager
 def running(config) -> Iterator[str]:
     """A spectune server on a free loopback port for the block; its URL."""
-    from spectune.serve.app import serve_in_thread
+    from spectune.serve.launch import serve_in_thread
 
     instance, thread, url = serve_in_thread(config)
     try:

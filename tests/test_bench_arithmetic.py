@@ -8,7 +8,9 @@ import pytest
 from gguf import GGUFWriter
 
 import spectune.bench.run as bench_run
-from spectune.bench.run import BenchConfig, _summary, first_sentence_over_alone, variant_profiles
+from spectune.bench.config import BenchConfig
+from spectune.bench.run import variant_profiles
+from spectune.bench.summary import first_sentence_over_alone, summarize
 from spectune.gpu.card import reference_card
 from spectune.runtime.ngram import NgramSettings
 from spectune.runtime.profile import gguf_weights
@@ -108,7 +110,7 @@ def summary(tmp_path):
     config = BenchConfig(
         target=tmp_path / "t.gguf", drafts={"sft": tmp_path / "d.gguf"}, data=tmp_path, recommended_k={"sft": 2}
     )
-    return _summary("sft", ROWS, PROFILE, config, tmp_path / "d.gguf")
+    return summarize("sft", ROWS, PROFILE, config, tmp_path / "d.gguf")
 
 
 def test_speedups_are_all_tokens_over_all_seconds(summary):
@@ -203,12 +205,12 @@ def test_in_front_of_a_draft_lookup_is_free_and_the_draft_pays_for_its_share(tmp
         target=tmp_path / "t.gguf", drafts={"sft": tmp_path / "d.gguf"}, data=tmp_path, recommended_k={"sft": 2}
     )
     config = config.model_copy(update={"ngram": NgramSettings()})
-    combined = _summary("ngram+sft", rows, PROFILE, config, tmp_path / "d.gguf")
+    combined = summarize("ngram+sft", rows, PROFILE, config, tmp_path / "d.gguf")
     assert combined["cost_ratio"] == pytest.approx(0.25) and combined["gpu_cost_ratio"] == pytest.approx(0.05)
     assert combined["predicted_speedup_gpu"] == pytest.approx(30 / (9 + 16 * 0.05))
     assert combined["ngram_step_share"] == pytest.approx(3 / 9) and combined["ngram_acceptance"] == pytest.approx(6 / 8)
     assert combined["ngram_context_share"] == pytest.approx(4 / 8)
-    alone = _summary("ngram", rows, {**PROFILE, "cost_ratio": 0.0}, config, None)
+    alone = summarize("ngram", rows, {**PROFILE, "cost_ratio": 0.0}, config, None)
     assert alone["gpu_cost_ratio"] == 0.0 and alone["predicted_speedup_gpu"] == pytest.approx(30 / 9)
     assert alone["ngram_step_share"] == pytest.approx(1.0) and alone["ngram_drafted"] == 16
 

@@ -81,3 +81,30 @@ def test_grounded_gpu_predicts_each_committed_row_on_the_card_with_its_band():
     alone = grounded.predictions(card, result, target, None, "ngram", {**row, "gpu_cost_ratio": 0.0})
     assert alone["grounded_c"] == 0.0 and alone["draft_layers"] == 0
     assert alone["grounded"] == pytest.approx(1.6 / r)
+
+
+def answers(speeds: list[float], tokens: int = 11) -> list[dict]:
+    """never_slower's per-answer figures: `tokens` of text, decoded after the first at each speed."""
+    return [
+        {"tokens": tokens, "decode_seconds": (tokens - 1) / speed, "tokens_per_second": speed, "ttft_ms": 5.0}
+        for speed in speeds
+    ]
+
+
+def test_never_slower_quotes_the_totals_and_the_median_of_per_prompt_ratios():
+    never_slower = script("never_slower")
+    ours, theirs = answers([10.0, 20.0, 10.0]), answers([20.0, 20.0, 20.0])
+    figures = never_slower.summary(ours, theirs)
+    assert figures["median_ratio_to_llama_server"] == pytest.approx(0.5)
+    # 30 tokens in 1 + 0.5 + 1 s against 30 in 1.5 s
+    assert figures["decode_tokens"] == 30 and figures["decode_seconds"] == pytest.approx(2.5)
+    assert figures["total_ratio_to_llama_server"] == pytest.approx(12.0 / 20.0)
+    assert figures["median_tokens_per_second"] == 10.0
+
+
+def test_never_slower_times_again_a_prompt_any_server_stalled_on():
+    stalled = script("never_slower").stalled
+    runs = {"spectune": answers([10.0, 10.0, 3.0, 10.0]), "llama-server": answers([20.0, 7.0, 20.0, 20.0])}
+    assert stalled(runs) == [2]  # 3.3x its median time per token; 20/7 = 2.9x is not over
+    runs["llama-server"][1] = answers([6.0])[0]  # 3.3x on prompt 1
+    assert stalled(runs) == [1, 2]

@@ -4,6 +4,7 @@ results table is the one the committed results render."""
 from __future__ import annotations
 
 import importlib.util
+import json
 import re
 from pathlib import Path
 
@@ -76,3 +77,94 @@ def test_every_gpu_figure_says_it_is_predicted_and_on_the_card_carries_its_band(
             assert "predict" in line.lower() or "measured" in line.lower(), f"{page.name}:{number}: {line}"
         if CARD_FIGURE.search(line):
             assert BAND.search(line), f"{page.name}:{number}: a figure on the card with no band: {line}"
+
+
+RESULTS = ROOT / "benchmarks" / "results"
+QWEN = ("gpu_grounded.json", "results", "speculative_qwen_sgd.json", "drafts")
+CUTS = ("gpu_grounded.json", "bench_reports", "speculative_qwen_sgd_cuts.json")
+DOMAIN = ("gpu_grounded.json", "bench_reports", "speculative_qwen_sgd_domain.json")
+HEADS = ("gpu_grounded.json", "results", "eagle3_smollm2_sgd.json", "drafts")
+DEMO = ("speculative_demo.json", "drafts")
+NEVER_SLOWER = ("never_slower_qwen_sgd.json", "servers")
+# Every speedup the README's prose quotes, read from the committed result it comes from: the README's words around
+# it, and each number in them as (file and keys to the value, how the README writes it), in the order written.
+README_FIGURES = [
+    (
+        "predict 0.94-1.03x there (1.13-1.24x by bytes)",
+        [
+            ((*QWEN, "generic", "grounded"), "{:.2f}"),
+            ((*QWEN, "seqkd", "grounded"), "{:.2f}"),
+            ((*QWEN, "generic", "bytes_only_committed"), "{:.2f}"),
+            ((*QWEN, "seqkd", "bytes_only_committed"), "{:.2f}"),
+        ],
+    ),
+    (
+        "1.08x (1.06-1.08x) predicted, 1.27x (1.26-1.31x) with lookup in front",
+        [
+            ((*CUTS, "cut4", "grounded"), "{:.2f}"),
+            ((*CUTS, "cut4", "grounded_band", 0), "{:.2f}"),
+            ((*CUTS, "cut4", "grounded_band", 1), "{:.2f}"),
+            ((*CUTS, "ngram+cut4", "grounded"), "{:.2f}"),
+            ((*CUTS, "ngram+cut4", "grounded_band", 0), "{:.2f}"),
+            ((*CUTS, "ngram+cut4", "grounded_band", 1), "{:.2f}"),
+        ],
+    ),
+    ("0.99x predicted on a GPU", [((*DEMO, "generic", "predicted_speedup_gpu"), "{:.2f}")]),
+    ("predicts 3.1x", [((*DEMO, "seqkd", "predicted_speedup_gpu"), "{:.1f}")]),
+    ("On this CPU it does not pay (0.95x)", [((*DEMO, "seqkd", "aggregate_speedup"), "{:.2f}")]),
+    (
+        "it decodes at 1.00x llama-server at its defaults (median per prompt 1.00x); made to speculate with the 0.5B "
+        "it is 0.27x",
+        [
+            ((*NEVER_SLOWER, "spectune serve --mode auto", "total_ratio_to_llama_server"), "{:.2f}"),
+            ((*NEVER_SLOWER, "spectune serve --mode auto", "median_ratio_to_llama_server"), "{:.2f}"),
+            ((*NEVER_SLOWER, "spectune serve --mode speculative", "total_ratio_to_llama_server"), "{:.2f}"),
+        ],
+    ),
+    (
+        "1.42x predicted by bytes, 1.43x (1.43-1.48x) on the reference card, where the standalone draft predicts 0.97x "
+        "by bytes, 1.16x (1.15-1.16x) on the card",
+        [
+            ((*HEADS, "eagle3", "bytes_only_committed"), "{:.2f}"),
+            ((*HEADS, "eagle3", "grounded"), "{:.2f}"),
+            ((*HEADS, "eagle3", "grounded_band", 0), "{:.2f}"),
+            ((*HEADS, "eagle3", "grounded_band", 1), "{:.2f}"),
+            ((*HEADS, "seqkd", "bytes_only_committed"), "{:.2f}"),
+            ((*HEADS, "seqkd", "grounded"), "{:.2f}"),
+            ((*HEADS, "seqkd", "grounded_band", 0), "{:.2f}"),
+            ((*HEADS, "seqkd", "grounded_band", 1), "{:.2f}"),
+        ],
+    ),
+    ("first sentence 0.86x alone's with lookup", [((*DOMAIN, "ngram", "first_sentence", "card"), "{:.2f}")]),
+    ("the best Qwen variant predicts 1.31x (lookup)", [((*CUTS, "ngram", "grounded"), "{:.2f}")]),
+]
+STORY_GOALS = {"1.7", "2.2"}  # the reference story's speedups, goals rather than measurements
+QUOTED = re.compile(r"\d+\.\d+(?=x|-\d+\.\d+x)")  # a speedup, or the low end of a range of them
+
+
+def value_at(keys: tuple) -> float:
+    value = json.loads((RESULTS / keys[0]).read_text())
+    for key in keys[1:]:
+        value = value[key]
+    return value
+
+
+def readme_prose() -> str:
+    """The README outside its tables, its lines joined (a quote may wrap)."""
+    lines = (ROOT / "README.md").read_text().splitlines()
+    return " ".join(" ".join(line.split()) for line in lines if not line.startswith("|"))
+
+
+@pytest.mark.parametrize("words, sources", README_FIGURES, ids=[words[:40] for words, _ in README_FIGURES])
+def test_a_figure_the_readme_quotes_is_the_committed_results(words, sources):
+    rendered = [form.format(value_at(keys)) for keys, form in sources]
+    assert QUOTED.findall(words) == rendered, (words, rendered)
+    assert words in readme_prose(), words
+
+
+def test_every_speedup_in_the_readme_prose_is_traced():
+    prose = readme_prose()
+    for words, _ in README_FIGURES:
+        prose = prose.replace(words, "")
+    stray = [number for number in QUOTED.findall(prose) if number not in STORY_GOALS]
+    assert not stray, f"README speedups with no committed source in README_FIGURES: {stray}"

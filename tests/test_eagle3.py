@@ -20,7 +20,7 @@ from spectune.errors import SpectuneError
 from spectune.export.gguf import export_model
 from spectune.export.pair import ExportPairConfig, export_pair
 from spectune.runtime.llama import LlamaModel, is_eagle3_gguf
-from spectune.serve.app import ServeConfig
+from spectune.serve.config import ServeConfig
 from spectune.serve.engine import start_llama_server
 from spectune.train.acceptance import AcceptanceConfig, load_models, run_acceptance, simulate_tau
 from spectune.train.common import greedy_answer

@@ -24,7 +24,7 @@ from spectune.engines.handoff import HandoffConfig, hand_off
 from spectune.engines.llama_cpp import SERVER, build_llama_cpp
 from spectune.engines.llama_server import free_port
 from spectune.errors import SpectuneError
-from spectune.serve.app import ServeConfig
+from spectune.serve.config import ServeConfig
 from spectune.serve.engine import start_llama_server
 
 KEY = "sk-engine-test"
@@ -182,7 +182,9 @@ def test_export_for_an_engine_refuses_a_draft_with_another_tokenizer(tuned_targe
 
 def test_bench_checks_its_baseline_against_llama_cpp(llama_server, pair, demo_data, tmp_path):
     """--peer: llama.cpp's speculative tool on the pair and its own target-alone loop (llama-server), beside ours."""
-    from spectune.bench.run import BenchConfig, bench
+    from spectune.bench.config import BenchConfig
+    from spectune.bench.run import bench
+    from spectune.runtime.mode import faster
 
     target, draft = pair
     config = BenchConfig(
@@ -212,12 +214,20 @@ def test_bench_checks_its_baseline_against_llama_cpp(llama_server, pair, demo_da
     )
     report_text = (tmp_path / "report.md").read_text()
     assert "With this bench's settings:" in report_text and "At its defaults:" in report_text
+    # what serving would choose here, by the same rule as serve's --mode auto, and what that yields beside
+    # llama-server at its defaults (the fastest row is the target alone at llama.cpp's fastest settings)
+    serving = report["serving"]
+    speeds = (serving["best_variant_tokens_per_second"], serving["fastest_tokens_per_second"])
+    assert serving["mode"] == faster(*speeds) and serving["over_llama_server_defaults"] > 0
+    assert "Serving here: `spectune serve --mode auto` would decode" in report_text
+    assert isinstance(report["retimed"], list) and "Stalls:" in report_text
 
 
 def test_bench_runs_ngram_variants_beside_llama_cpps_own(llama_server, pair, demo_data, tmp_path):
     """--ngram: lookup alone and in front of each tuned draft, identical answers, acceptance split by source, and
     llama.cpp's ngram-simple (alone and before draft-simple) on the same prompts."""
-    from spectune.bench.run import BenchConfig, bench
+    from spectune.bench.config import BenchConfig
+    from spectune.bench.run import bench
     from spectune.runtime.ngram import NgramSettings
 
     target, draft = pair

@@ -16,7 +16,7 @@ from spectune.models.tokenizer_check import STRESS_STRINGS
 from spectune.runtime.llama import LlamaModel
 from spectune.runtime.ngram import NgramSettings
 from spectune.runtime.pair import check_pair
-from spectune.serve.app import ServeConfig
+from spectune.serve.config import ServeConfig
 
 
 @pytest.fixture(scope="module")

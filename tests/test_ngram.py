@@ -13,8 +13,9 @@ from spectune.runtime.chat import chat_prompt
 from spectune.runtime.decode import DecodeSettings
 from spectune.runtime.llama import LlamaModel
 from spectune.runtime.ngram import NgramDrafter, NgramSettings, NgramTable, domain_table
-from spectune.runtime.speculative import SpeculativeDecoder, StochasticSampler
-from spectune.serve.app import ServeConfig
+from spectune.runtime.sampling import StochasticSampler
+from spectune.runtime.speculative import SpeculativeDecoder
+from spectune.serve.config import ServeConfig
 from spectune.train.acceptance import lookup_of
 
 
@@ -192,7 +193,14 @@ def test_a_server_with_ngram_lookup_answers_as_the_target_alone(pair, messages, 
         model.tokenize(chat_prompt(model, messages)), DecodeSettings(max_tokens=24)
     )
     config = ServeConfig(
-        target=target, draft=draft, n_ctx=512, threads=1, draft_max=4, ngram=NgramSettings(), ngram_data=demo_data
+        target=target,
+        draft=draft,
+        n_ctx=512,
+        threads=1,
+        draft_max=4,
+        ngram=NgramSettings(),
+        ngram_data=demo_data,
+        mode="speculative",
     )
     with running(config) as url:
         client = OpenAI(base_url=f"{url}/v1", api_key="unused")

@@ -12,7 +12,7 @@ import pytest
 import yaml
 from conftest import run_cli
 
-from spectune.bench.run import BenchConfig
+from spectune.bench.config import BenchConfig
 from spectune.cli import print_story
 from spectune.config import read_yaml, validate
 from spectune.data.read import read_dialogues, write_jsonl
@@ -33,7 +33,7 @@ from spectune.pipeline import (
     run_pipeline,
     stages,
 )
-from spectune.serve.app import ServeConfig
+from spectune.serve.config import ServeConfig
 from spectune.train.draft import TARGET_ANSWERS
 
 DATA = Path(__file__).parent / "data"

@@ -20,13 +20,8 @@ from spectune.export.gguf import convert, export_model
 from spectune.runtime.chat import CLAUSE_END, chat_prompt
 from spectune.runtime.decode import DecodeSettings
 from spectune.runtime.llama import LlamaModel
-from spectune.runtime.speculative import (
-    Generation,
-    Pace,
-    SpeculativeDecoder,
-    Stats,
-    StochasticSampler,
-)
+from spectune.runtime.sampling import StochasticSampler
+from spectune.runtime.speculative import Generation, Pace, SpeculativeDecoder, Stats
 
 QUANTS = ("F32", "F16", "Q8_0", "Q4_K_M")
 
@@ -200,7 +195,8 @@ def test_an_incompatible_pair_is_refused(ggufs, sft_draft, tmp_path):
 
 
 def test_bench_writes_its_report(ggufs, demo_data, tmp_path):
-    from spectune.bench.run import BenchConfig, bench
+    from spectune.bench.config import BenchConfig
+    from spectune.bench.run import bench
 
     config = BenchConfig(
         target=ggufs["Q4_K_M"]["target"],

@@ -13,7 +13,8 @@ from spectune.runtime.chat import chat_prompt
 from spectune.runtime.decode import DecodeSettings
 from spectune.runtime.llama import LlamaModel
 from spectune.runtime.speculative import SpeculativeDecoder
-from spectune.serve.app import ServeConfig, serve_in_thread
+from spectune.serve.config import ServeConfig
+from spectune.serve.launch import serve_in_thread
 
 KEY = "sk-test-key"
 
@@ -21,7 +22,11 @@ KEY = "sk-test-key"
 @pytest.fixture(scope="module")
 def server(pair):
     target, draft = pair
-    with running(ServeConfig(target=target, draft=draft, n_ctx=512, threads=1, queue_timeout=2.0, draft_max=4)) as url:
+    with running(
+        ServeConfig(
+            target=target, draft=draft, mode="speculative", n_ctx=512, threads=1, queue_timeout=2.0, draft_max=4
+        )
+    ) as url:
         yield url
 
 
@@ -140,7 +145,9 @@ def test_metrics_are_exposed(server, messages):
 
 def test_api_key_is_required_except_for_health(pair, messages):
     target, draft = pair
-    instance, thread, url = serve_in_thread(ServeConfig(target=target, draft=draft, n_ctx=256, threads=1, api_key=KEY))
+    instance, thread, url = serve_in_thread(
+        ServeConfig(target=target, draft=draft, mode="speculative", n_ctx=256, threads=1, api_key=KEY)
+    )
     try:
         assert httpx.get(f"{url}/health").status_code == 200
         denied = httpx.post(f"{url}/v1/chat/completions", json={"messages": messages, "max_tokens": 2})
@@ -167,7 +174,7 @@ def test_a_request_that_waits_too_long_gets_503_with_retry_after(pair, messages,
     monkeypatch.setattr(SpeculativeDecoder, "generate", slow)
     target, draft = pair
     instance, thread, url = serve_in_thread(
-        ServeConfig(target=target, draft=draft, n_ctx=512, threads=1, slots=1, queue_timeout=0.5)
+        ServeConfig(target=target, draft=draft, mode="speculative", n_ctx=512, threads=1, slots=1, queue_timeout=0.5)
     )
     try:
         with httpx.stream(
@@ -196,7 +203,9 @@ def test_the_servers_decoding_settings_are_what_a_request_leaves_unset(pair, mes
     """`spectune serve --max-tokens 3 --ignore-eos` caps a request that names no length; one that names its own
     settings gets them (as llama-server's -n and --ignore-eos)."""
     target, draft = pair
-    config = ServeConfig(target=target, draft=draft, n_ctx=512, threads=1, max_tokens=3, ignore_eos=True)
+    config = ServeConfig(
+        target=target, draft=draft, mode="speculative", n_ctx=512, threads=1, max_tokens=3, ignore_eos=True
+    )
     with running(config) as url:
         unset = httpx.post(f"{url}/v1/chat/completions", json={"messages": messages}, timeout=60).json()
         named = {"messages": messages, "max_tokens": 5, "ignore_eos": False, "temperature": 0}

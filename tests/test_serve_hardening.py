@@ -26,7 +26,9 @@ from spectune.export.gguf import export_model
 from spectune.runtime.chat import chat_tokens
 from spectune.runtime.llama import LlamaModel
 from spectune.runtime.speculative import Generation, SpeculativeDecoder, Stats
-from spectune.serve.app import ServeConfig, TooLarge, read_body, serve_in_thread
+from spectune.serve.app import TooLarge, read_body
+from spectune.serve.config import ServeConfig
+from spectune.serve.launch import serve_in_thread
 
 KEY = "sk-hardening"
 
@@ -36,7 +38,14 @@ def server(pair):
     target, draft = pair
     # Drafting from the second token always: what these tests count must not follow the measured pace (auto).
     config = ServeConfig(
-        target=target, draft=draft, n_ctx=1024, threads=1, queue_timeout=5.0, draft_max=4, first_words="draft"
+        target=target,
+        draft=draft,
+        n_ctx=1024,
+        threads=1,
+        queue_timeout=5.0,
+        draft_max=4,
+        first_words="draft",
+        mode="speculative",
     )
     with running(config) as url:
         yield url
@@ -67,6 +76,31 @@ def test_one_caller_learns_nothing_of_another_callers_prompt(server, messages):
     ask(server, {"messages": secret, "max_tokens": 16, "user": "caller-1"})  # long enough for the draft to run
     again = ask(server, {"messages": follow_up, "max_tokens": 16, "user": "caller-1"}).json()["spectune"]
     assert again["reused_prompt_tokens"] > 10 and again["draft_reused_prompt_tokens"] > 10  # both caches reuse
+
+
+def test_both_caches_hold_only_the_caller_being_served(pair):
+    """Read from the models themselves, not the server's counters: after another caller's turn, what the target's
+    and the draft's KV caches hold is that caller's prompt and answer, token for token, and nothing before it."""
+    target, draft = pair
+    config = ServeConfig(
+        target=target, draft=draft, mode="speculative", n_ctx=512, threads=1, draft_max=4, first_words="draft"
+    )
+    instance, thread, url = serve_in_thread(config)
+    try:
+        secret = [{"role": "user", "content": "My card number is 4111 1111 1111 1111, book the table."}]
+        probe = [{"role": "user", "content": "Hello, a table for two please."}]
+        ask(url, {"messages": secret, "max_tokens": 16, "user": "caller-1"})
+        answer = ask(url, {"messages": probe, "max_tokens": 16, "user": "caller-2"}).json()
+        (slot,) = list(instance.spectune.slots._queue)  # the one slot, free again
+        prompt = chat_tokens(slot.target, probe)
+        for model in (slot.decoder.target, slot.decoder.drafter.model):
+            held = model.cached
+            assert len(held) >= len(prompt) - 1 and held[: len(prompt) - 1] == prompt[:-1], model.path
+            said = [token for token in held[len(prompt) :] if not model.is_end(token)]  # the answer, its end read too
+            assert answer["choices"][0]["message"]["content"].startswith(model.detokenize(said)), model.path
+    finally:
+        instance.stop()
+        thread.join(timeout=30)
 
 
 def test_a_message_cannot_inject_a_role(pair):
@@ -174,7 +208,9 @@ def test_shutdown_joins_the_generation_threads(pair, messages, monkeypatch):
 
     monkeypatch.setattr(SpeculativeDecoder, "generate", slow)
     target, draft = pair
-    instance, thread, url = serve_in_thread(ServeConfig(target=target, draft=draft, n_ctx=512, threads=1))
+    instance, thread, url = serve_in_thread(
+        ServeConfig(target=target, draft=draft, mode="speculative", n_ctx=512, threads=1)
+    )
     body = {"messages": messages, "max_tokens": 300, "temperature": 1.0, "seed": 2, "stream": True}
     with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=60) as response:
         next(response.iter_lines())
@@ -309,7 +345,9 @@ def test_generation_time_and_abandoned_queued_requests_are_bounded(pair, message
 
     monkeypatch.setattr(SpeculativeDecoder, "generate", endless)
     target, draft = pair
-    config = ServeConfig(target=target, draft=draft, n_ctx=512, threads=1, slots=1, max_seconds=1.0, queue_timeout=30)
+    config = ServeConfig(
+        target=target, draft=draft, mode="speculative", n_ctx=512, threads=1, slots=1, max_seconds=1.0, queue_timeout=30
+    )
     instance, thread, url = serve_in_thread(config)
     try:
         body = {"messages": messages, "max_tokens": 400, "temperature": 1.0, "seed": 4}
@@ -336,7 +374,16 @@ def test_generation_time_and_abandoned_queued_requests_are_bounded(pair, message
 def one_slot(pair):
     target, draft = pair
     with running(
-        ServeConfig(target=target, draft=draft, n_ctx=1024, threads=1, slots=1, queue_timeout=3.0, draft_max=4)
+        ServeConfig(
+            target=target,
+            draft=draft,
+            mode="speculative",
+            n_ctx=1024,
+            threads=1,
+            slots=1,
+            queue_timeout=3.0,
+            draft_max=4,
+        )
     ) as url:
         yield url
 
@@ -369,7 +416,8 @@ def test_half_an_emoji_is_a_400_and_never_keeps_the_slot(one_slot, messages):
     assert ask(one_slot, {"messages": messages, "max_tokens": 2}).status_code == 200
     deep = post_raw(one_slot, b"[" * 100_000 + b"]" * 100_000)  # recursion in the JSON parser
     assert deep.status_code == 400 and "nested" in deep.json()["error"]["message"]
-    assert httpx.get(f"{one_slot}/health").json() == {"status": "ok", "slots_free": 1, "slots": 1}
+    health = httpx.get(f"{one_slot}/health").json()
+    assert (health["status"], health["slots_free"], health["slots"]) == ("ok", 1, 1)
 
 
 def test_any_failure_before_the_generation_starts_returns_the_slot(one_slot, messages, monkeypatch):
@@ -399,7 +447,9 @@ def test_a_conversation_of_thousands_of_messages_is_read_in_one_pass_and_capped(
 def test_the_first_stop_signal_cancels_running_answers_and_refuses_queued_ones(pair, messages, monkeypatch):
     pace_generations(monkeypatch, 0.05)
     target, draft = pair
-    config = ServeConfig(target=target, draft=draft, n_ctx=1024, threads=1, slots=1, queue_timeout=30)
+    config = ServeConfig(
+        target=target, draft=draft, mode="speculative", n_ctx=1024, threads=1, slots=1, queue_timeout=30
+    )
     instance, thread, url = serve_in_thread(config)
     queued: list[httpx.Response] = []
     body = {"messages": messages, "max_tokens": 800, "ignore_eos": True, "stream": True}
@@ -469,7 +519,7 @@ def test_openai_names_barge_ins_and_benchmark_clients_extensions(server, message
 
 
 def test_stops_are_few_and_short_and_the_held_back_tail_is_found_linearly(server, messages):
-    from spectune.runtime.speculative import _stop_overlap
+    from spectune.runtime.text import _stop_overlap
 
     assert ask(server, {"messages": messages, "max_tokens": 2, "stop": ["a"] * 5}).status_code == 422
     assert ask(server, {"messages": messages, "max_tokens": 2, "stop": "x" * 400_000}).status_code == 422
@@ -484,7 +534,9 @@ def test_stops_are_few_and_short_and_the_held_back_tail_is_found_linearly(server
 def test_metrics_count_hang_ups_and_time_to_first_token_as_the_caller_sees_it(pair, messages, monkeypatch):
     pace_generations(monkeypatch, 0.2, from_tokens=100)  # the long answers only
     target, draft = pair
-    config = ServeConfig(target=target, draft=draft, n_ctx=1024, threads=1, slots=1, queue_timeout=2.0)
+    config = ServeConfig(
+        target=target, draft=draft, mode="speculative", n_ctx=1024, threads=1, slots=1, queue_timeout=2.0
+    )
     instance, thread, url = serve_in_thread(config)
     long = {"messages": messages, "max_tokens": 400, "ignore_eos": True}
     waited: list[httpx.Response] = []
@@ -597,7 +649,9 @@ def test_a_benchmark_client_gets_the_answer_lengths_it_pins(pair, micro_pair, tm
     """GuideLLM (as people benchmark servers) sends vLLM's ignore_eos and continuous usage; its figures compare with
     other servers' only if every answer has the length it asked for."""
     target, draft = pair
-    with running(ServeConfig(target=target, draft=draft, n_ctx=1024, threads=1, draft_max=4)) as url:
+    with running(
+        ServeConfig(target=target, draft=draft, mode="speculative", n_ctx=1024, threads=1, draft_max=4)
+    ) as url:
         scenario = {
             "spec": {
                 "backend": {"kind": "openai_http", "target": url, "request_format": "/v1/chat/completions"},

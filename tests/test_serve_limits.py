@@ -21,9 +21,10 @@ from test_serve_hardening import ask, pace_generations
 from spectune.runtime.chat import CLAUSE_END
 from spectune.runtime.llama import LlamaModel
 from spectune.runtime.ngram import NgramDrafter, NgramSettings
-from spectune.runtime.speculative import TextStream
-from spectune.serve.app import ServeConfig, serve_in_thread
+from spectune.runtime.text import TextStream
 from spectune.serve.client import _turn
+from spectune.serve.config import ServeConfig
+from spectune.serve.launch import serve_in_thread
 
 KEY = "sk-limits"
 
@@ -57,7 +58,15 @@ def test_idle_and_slow_body_connections_lock_no_caller_out(pair, messages):
     caller with the key gets the target alone's answer, and the slow uploads are cut and counted as 408."""
     target, draft = pair
     config = ServeConfig(
-        target=target, draft=draft, n_ctx=512, threads=1, api_key=KEY, header_timeout=30, body_timeout=3, draft_max=4
+        target=target,
+        draft=draft,
+        n_ctx=512,
+        threads=1,
+        api_key=KEY,
+        header_timeout=30,
+        body_timeout=3,
+        draft_max=4,
+        mode="speculative",
     )
     expected = engine_answer(pair, messages, 12)
     with running(config) as url:

@@ -6,7 +6,8 @@ from __future__ import annotations
 import numpy as np
 
 from spectune.runtime.decode import DecodeSettings
-from spectune.runtime.speculative import TextStream, probabilities
+from spectune.runtime.sampling import probabilities
+from spectune.runtime.text import TextStream
 
 
 class Pieces:

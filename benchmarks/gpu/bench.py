@@ -9,7 +9,9 @@ import argparse
 import json
 from pathlib import Path
 
-from spectune.bench.run import BenchConfig, bench, result_row
+from spectune.bench.config import BenchConfig
+from spectune.bench.run import bench
+from spectune.bench.summary import result_row
 
 
 def main() -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import signal
@@ -15,8 +16,9 @@ from rich.console import Console
 from rich.table import Table
 
 from spectune import __version__
-from spectune.bench.run import BenchConfig, grounded_figure
+from spectune.bench.config import BenchConfig
 from spectune.bench.run import bench as run_bench
+from spectune.bench.summary import grounded_figure
 from spectune.config import validate
 from spectune.data.demo import DemoDataConfig, generate_dialogues
 from spectune.data.prepare import (
@@ -55,12 +57,14 @@ from spectune.pipeline import dry_run as plan_run
 from spectune.runtime.build import build_features, build_name, identity_verdict
 from spectune.runtime.chat import chat_prompt
 from spectune.runtime.decode import DecodeSettings
-from spectune.runtime.llama import LlamaModel
+from spectune.runtime.llama import DEFAULT_N_CTX, LlamaModel
+from spectune.runtime.mode import DecoderSource, ModeSettings, choose
 from spectune.runtime.ngram import NgramDrafter, NgramSettings, domain_of_texts
-from spectune.runtime.speculative import SpeculativeDecoder
-from spectune.serve.app import ServeConfig, make_uvicorn
 from spectune.serve.client import run_call
+from spectune.serve.config import ServeConfig
 from spectune.serve.engine import serve_llama_cpp
+from spectune.serve.launch import make_uvicorn
+from spectune.serve.slots import calibration_conversations
 from spectune.story import story
 from spectune.threads import thread_count
 from spectune.train.acceptance import AcceptanceConfig, run_acceptance
@@ -413,7 +417,7 @@ def export_pair(config: ExportPairConfig) -> None:
     )
 
 
-class GenerateConfig(DecodeSettings):
+class GenerateConfig(DecodeSettings, ModeSettings):
     """Everything `spectune generate` takes."""
 
     target: Path = Field(description="Target GGUF.")
@@ -432,13 +436,16 @@ def generate(config: GenerateConfig) -> None:
     """Stream an answer (or a conversation) from the target, with the draft speculating; print the stats."""
     if config.prompt is None and not config.chat:
         raise SpectuneError("give --prompt TEXT or --chat")
-    model = LlamaModel(config.target, threads=config.threads, exact=config.exact)
     ngram = None
     if config.ngram_data is not None:
         settings = NgramSettings()
-        ngram = NgramDrafter(settings, domain_of_texts(settings, assistant_turns(config.ngram_data), model.tokenize))
-    draft = LlamaModel(config.draft, threads=config.threads, exact=config.exact) if config.draft else None
-    decoder = SpeculativeDecoder(model, draft, ngram)
+        tokenizer = LlamaModel(config.target, n_ctx=64, threads=1)
+        domain = domain_of_texts(settings, assistant_turns(config.ngram_data), tokenizer.tokenize)
+        ngram = functools.partial(NgramDrafter, settings, domain)
+    source = DecoderSource(config.target, config.draft, ngram, DEFAULT_N_CTX, config.threads, config.exact)
+    conversations = calibration_conversations(config.calibration_data)
+    _, decoder = choose(config.mode, source, conversations, config.decoding(), lambda line: console.print(line))
+    model = decoder.target
     prompt, system = config.prompt, config.system
     messages = [{"role": "system", "content": system}] if system else []
 
@@ -629,6 +636,8 @@ def serve(config: ServeConfig) -> None:
             raise SpectuneError(f"llama-server exited with {code}")
         return
     server = make_uvicorn(config, log_level="info")
+    choice = server.spectune.choice
+    console.print(f"decoding: {choice.mode} ({choice.reason})")
     try:
         server.run()
     except KeyboardInterrupt:  # uvicorn raises the stop signal again once it has stopped: a normal end

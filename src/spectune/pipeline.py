@@ -25,7 +25,8 @@ from typing import Any, Literal
 from pydantic import Field, model_validator
 
 from spectune.atomic import atomic_path
-from spectune.bench.run import BenchConfig, BenchSettings, bench
+from spectune.bench.config import BenchConfig, BenchSettings
+from spectune.bench.run import bench
 from spectune.config import Settings, read_yaml, validate
 from spectune.data.demo import DemoDataSettings, generate_dialogues
 from spectune.data.prepare import SplitSettings, split_dialogues

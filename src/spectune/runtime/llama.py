@@ -29,6 +29,7 @@ from spectune.runtime.build import build_features, read_gguf
 from spectune.threads import thread_count
 
 _backend_ready = False
+DEFAULT_N_CTX = 2048  # a model's context where its user names none
 
 
 def init_backend() -> None:
@@ -77,7 +78,12 @@ class LlamaModel:
     """One GGUF model with one context (one sequence)."""
 
     def __init__(
-        self, path: str | Path, n_ctx: int = 2048, threads: int | None = None, exact: bool = True, n_batch: int = 512
+        self,
+        path: str | Path,
+        n_ctx: int = DEFAULT_N_CTX,
+        threads: int | None = None,
+        exact: bool = True,
+        n_batch: int = 512,
     ) -> None:
         import llama_cpp
 

@@ -14,109 +14,26 @@ from norm(max(0, p − q)), so the output is distributed exactly as sampling the
 
 from __future__ import annotations
 
-import codecs
 import contextlib
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Literal, Protocol
+from typing import Literal
 
 import numpy as np
 
 from spectune.errors import SpectuneError
-from spectune.runtime.chat import CLAUSE_END
 from spectune.runtime.decode import DecodeSettings
 from spectune.runtime.llama import LlamaModel
 from spectune.runtime.ngram import NgramDrafter, NgramProposal
 from spectune.runtime.pair import check_pair
+from spectune.runtime.sampling import Sampler, make_sampler
+from spectune.runtime.text import TextStream
 from spectune.speedup import first_sentence_ratio
 
 # How the first clause is decoded: with the draft from the second token on, by the target alone (the draft reads the
 # new turn after it), or whichever the decoder's own measurements say comes sooner.
 FirstWords = Literal["auto", "draft", "alone"]
-
-
-def probabilities(logits: np.ndarray, config: DecodeSettings) -> np.ndarray:
-    """Softmax at the temperature after top-k and top-p, applied identically to target and draft."""
-    # Shift before scaling: a tiny temperature then gives a one-hot distribution, never inf - inf = nan.
-    with np.errstate(over="ignore"):  # -x / tiny = -inf: probability 0, as it should be
-        scaled = (logits.astype(np.float64) - logits.max()) / config.temperature
-    if 0 < config.top_k < scaled.size:
-        cutoff = np.partition(scaled, -config.top_k)[-config.top_k]
-        scaled = np.where(scaled < cutoff, -np.inf, scaled)
-    probs = np.exp(scaled - scaled.max())
-    probs /= probs.sum()
-    if config.top_p < 1.0:
-        order = np.argsort(-probs)
-        keep = np.cumsum(probs[order]) - probs[order] < config.top_p
-        filtered = np.zeros_like(probs)
-        filtered[order[keep]] = probs[order[keep]]
-        probs = filtered / filtered.sum()
-    return probs
-
-
-class Sampler(Protocol):
-    """Picks the draft's tokens and decides which of them the target keeps."""
-
-    def draft_token(self, logits: np.ndarray) -> tuple[int, float, np.ndarray | None]:
-        """(token, the draft's confidence in it, the draft distribution it was sampled from, if any)."""
-        ...
-
-    def verify(self, rows: np.ndarray, drafts: list[int], draft_probs: list[np.ndarray]) -> tuple[int, int]:
-        """(number of drafts accepted, the target's own next token) from the target's logits `rows`; `draft_probs`
-        is empty for a proposal that was looked up, not sampled (an n-gram's: q is then one-hot)."""
-        ...
-
-
-class GreedySampler:
-    def __init__(self, with_confidence: bool = False) -> None:
-        self.with_confidence = with_confidence  # only draft_p_min needs the draft's top probability
-
-    def draft_token(self, logits: np.ndarray) -> tuple[int, float, np.ndarray | None]:
-        token = int(logits.argmax())
-        if not self.with_confidence:
-            return token, 1.0, None
-        return token, float(1.0 / np.exp(logits - logits[token]).sum()), None
-
-    def verify(self, rows: np.ndarray, drafts: list[int], draft_probs: list[np.ndarray]) -> tuple[int, int]:
-        targets = rows.argmax(axis=1)  # one argmax over the whole batch, in numpy
-        accepted = 0
-        while accepted < len(drafts) and int(targets[accepted]) == drafts[accepted]:
-            accepted += 1
-        return accepted, int(targets[accepted])
-
-
-class StochasticSampler:
-    def __init__(self, config: DecodeSettings, rng: np.random.Generator) -> None:
-        self.config, self.rng = config, rng
-
-    def draft_token(self, logits: np.ndarray) -> tuple[int, float, np.ndarray | None]:
-        probs = probabilities(logits, self.config)
-        token = int(self.rng.choice(probs.size, p=probs))
-        return token, float(probs[token]), probs
-
-    def verify(self, rows: np.ndarray, drafts: list[int], draft_probs: list[np.ndarray]) -> tuple[int, int]:
-        for index, token in enumerate(drafts):
-            p = probabilities(rows[index], self.config)
-            if draft_probs:
-                q = draft_probs[index]
-            else:
-                q = np.zeros_like(p)
-                q[token] = 1.0
-            if self.rng.random() < min(1.0, p[token] / q[token]):
-                continue
-            residual = np.maximum(p - q, 0.0)
-            total = residual.sum()
-            residual = residual / total if total > 0 else p
-            return index, int(self.rng.choice(residual.size, p=residual))
-        p = probabilities(rows[len(drafts)], self.config)
-        return len(drafts), int(self.rng.choice(p.size, p=p))
-
-
-def make_sampler(config: DecodeSettings) -> Sampler:
-    if config.temperature > 0:
-        return StochasticSampler(config, np.random.default_rng(config.seed))
-    return GreedySampler(with_confidence=config.draft_p_min > 0)
 
 
 class Drafter:
@@ -295,86 +212,6 @@ class Stats:
             tokens_per_second=self.tokens_per_second,
         )
         return out
-
-
-class TextStream:
-    """Detokenizes as tokens arrive and releases only text that is final: an incomplete UTF-8 character, or a tail
-    that could still grow into a stop string, is held back until the next tokens decide it. Control tokens (a chat
-    template's <|im_start|>) are not text; a stop string counts only once `min_tokens` tokens are out (vLLM's rule)."""
-
-    def __init__(self, model: LlamaModel, stop: list[str], min_tokens: int = 0) -> None:
-        self.model, self.stop, self.min_tokens = model, [s for s in stop if s], min_tokens
-        self.decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-        self.text = ""
-        self.sent = 0
-        self.token_ends: list[int] = []  # len(text) after each token
-        self.stopped = False
-        self.clause_seen = False
-        self.clause_searched = 0  # text before this holds no clause end
-
-    def first_clause_ended(self) -> bool:
-        """True once: at the first call after the text holds a clause end (what a voice bot speaks first)."""
-        if self.clause_seen:
-            return False
-        self.clause_seen = CLAUSE_END.search(self.text, max(0, self.clause_searched - 1)) is not None
-        self.clause_searched = len(self.text)
-        return self.clause_seen
-
-    def add(self, tokens: list[int]) -> str:
-        """The newly final text after `tokens`; sets `stopped` when a stop string appeared (it is cut off)."""
-        for token in tokens:
-            self.text += self.decoder.decode(self.model.piece(token, special=False))
-            self.token_ends.append(len(self.text))
-        cut = self._first_stop()
-        if cut is not None:
-            self.text, self.stopped = self.text[:cut], True
-            return self._release(len(self.text))
-        held = max((_stop_overlap(self.text, stop) for stop in self.stop), default=0)
-        return self._release(len(self.text) - held)
-
-    def _first_stop(self) -> int | None:
-        """Where the first stop string starts in the text not yet searched, or None. Before min_tokens tokens none
-        counts, and after them one counts only if it ends past their text (vLLM's rule)."""
-        if len(self.token_ends) < self.min_tokens:
-            return None
-        floor = self.token_ends[self.min_tokens - 1] if self.min_tokens else 0
-        search_from = max(0, self.sent - max((len(s) for s in self.stop), default=0))
-        hits = [self.text.find(s, max(search_from, floor - len(s) + 1)) for s in self.stop]
-        return min((i for i in hits if i >= 0), default=None)
-
-    def finish(self) -> str:
-        """What was held back, once no more tokens come."""
-        if not self.stopped:
-            self.text += self.decoder.decode(b"", final=True)
-        return self._release(len(self.text))
-
-    def kept_tokens(self) -> int:
-        """How many tokens the final text covers (a stop string cuts the tokens that reach into it)."""
-        return sum(1 for end in self.token_ends if end <= len(self.text))
-
-    def _release(self, upto: int) -> str:
-        piece = self.text[self.sent : upto] if upto > self.sent else ""
-        self.sent = max(self.sent, upto)
-        return piece
-
-
-def _stop_overlap(text: str, stop: str) -> int:
-    """The length of the longest proper prefix of `stop` that `text` ends with: text that may still become the stop.
-    Knuth-Morris-Pratt over the text's tail, so linear in the stop's length (a naive check is quadratic)."""
-    pattern = stop[:-1]
-    fail = [0] * len(pattern)  # fail[i]: longest proper prefix of pattern[: i + 1] that is also its suffix
-    matched = 0
-    for index in range(1, len(pattern)):
-        while matched and pattern[index] != pattern[matched]:
-            matched = fail[matched - 1]
-        matched += pattern[index] == pattern[matched]
-        fail[index] = matched
-    matched = 0
-    for char in text[-len(pattern) :] if pattern else "":
-        while matched and (matched == len(pattern) or char != pattern[matched]):
-            matched = fail[matched - 1]
-        matched += matched < len(pattern) and char == pattern[matched]
-    return matched
 
 
 @dataclass

@@ -12,198 +12,33 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import threading
 import time
-import uuid
 from collections.abc import AsyncIterator
-from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
-import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from pydantic import Field, ValidationError, model_validator
+from prometheus_client import CollectorRegistry, generate_latest
+from pydantic import ValidationError
 from starlette.requests import ClientDisconnect
 
-from spectune.data.read import assistant_turns
-from spectune.engines.llama_server import free_port
 from spectune.errors import SpectuneError
-from spectune.layout import RunLayout
 from spectune.runtime.build import identity_verdict
 from spectune.runtime.chat import CLAUSE_END, chat_tokens
 from spectune.runtime.decode import DecodeSettings
-from spectune.runtime.llama import LlamaModel, is_eagle3_gguf
-from spectune.runtime.ngram import NgramDrafter, NgramSettings, NgramTable, domain_of_texts
-from spectune.runtime.speculative import FirstWords, Generation, SpeculativeDecoder, Stats
-from spectune.serve.connections import BODY_TIMED_OUT, guarded_protocol
+from spectune.runtime.mode import choose
+from spectune.runtime.speculative import Stats
+from spectune.serve.config import ServeConfig
+from spectune.serve.connections import BODY_TIMED_OUT
 from spectune.serve.guard import Guard
+from spectune.serve.job import Job, cut_message, stats_json, usage
+from spectune.serve.metrics import make_metrics, mode_metrics
 from spectune.serve.schema import ChatRequest, lone_surrogate, unsupported_parameter
-
-# What llama-server has no equivalent for (its request size, queue, time and connection limits are its own).
-SPECTUNE_ONLY = {
-    "queue_timeout",
-    "max_request_bytes",
-    "max_seconds",
-    "reuse_prefix",
-    "limit_concurrency",
-    "max_connections",
-    "header_timeout",
-    "body_timeout",
-    "keep_alive",
-    "first_words",
-    "ngram_data",  # llama-server's n-gram speculator reads the conversation only
-    "stop",  # a request's own stop strings reach llama-server; it has no server-wide default
-    "min_tokens",
-    "adaptive",
-}
-
-
-class ServeConfig(DecodeSettings):
-    """Everything `spectune serve` takes; the decoding settings are the defaults of a request that names none
-    (as llama-server's -n, --temp, --top-k, ...)."""
-
-    engine: Literal["spectune", "llama.cpp"] = Field(
-        "spectune", description="spectune's own server, or llama.cpp's llama-server on the same pair and settings."
-    )
-    llama_server: Path | None = Field(
-        None, description="The llama-server binary for --engine llama.cpp (default: `spectune tools build-llama-cpp`)."
-    )
-    target: Path | None = Field(None, description="Target GGUF (or --run).")
-    draft: Path | None = Field(None, description="Draft GGUF: speculative decoding (or --run).")
-    run: Path | None = Field(None, description="A finished `spectune run` folder: serve its chosen pair and k.")
-    host: str = Field("127.0.0.1", description="Bind address (loopback by default).")
-    port: int = Field(8000, ge=0, le=65535, description="Port.")
-    slots: int = Field(1, ge=1, description="Concurrent generations (each its own contexts).")
-    n_ctx: int = Field(4096, ge=64, description="Context length per slot.")
-    queue_timeout: float = Field(30.0, gt=0, description="Seconds a request may wait for a slot, then 503.")
-    api_key: str | None = Field(None, min_length=1, description="Require this bearer token (also $SPECTUNE_API_KEY).")
-    threads: int | None = Field(None, ge=1, description="Threads for llama.cpp (default: $SPECTUNE_THREADS or all).")
-    max_request_bytes: int = Field(1 << 20, ge=1024, description="Largest request body (413 past it).")
-    max_seconds: float = Field(120.0, gt=0, description="Longest a generation may run (then finish_reason length).")
-    model_name: str = Field("spectune", description="The model id the API reports.")
-    reuse_prefix: bool = Field(True, description="Keep a slot's KV cache for the next turn of a conversation.")
-    first_words: FirstWords = Field(
-        "auto",
-        description="The first clause: drafted from the second token on (draft), by the target alone while the draft "
-        "catches up (alone), or whichever this server has measured to come sooner (auto). The first token is "
-        "always the target's own.",
-    )
-    limit_concurrency: int = Field(
-        64, ge=1, description="Requests waiting for or holding a slot at most; 503 past it (/health never waits)."
-    )
-    max_connections: int = Field(
-        1024, ge=2, description="Open connections at most; past it a new one closes the oldest that holds no request."
-    )
-    header_timeout: float = Field(
-        10.0, gt=0, description="Seconds a connection may take to send a request's headers (half-open, slowloris)."
-    )
-    body_timeout: float = Field(10.0, gt=0, description="Seconds a request's body may take after its headers (408).")
-    keep_alive: float = Field(5.0, gt=0, description="Seconds an idle keep-alive connection stays open.")
-    ngram: NgramSettings | None = Field(
-        None, description="N-gram lookup in front of the draft (or alone): the conversation's, and the domain's."
-    )
-    ngram_data: Path | None = Field(
-        None, description="Chat dataset whose assistant turns fill the n-gram domain table (the target's answers)."
-    )
-
-    @model_validator(mode="after")
-    def _pair(self) -> ServeConfig:
-        own = sorted(SPECTUNE_ONLY & self.model_fields_set)
-        if self.engine == "llama.cpp" and own:
-            raise ValueError(f"{', '.join(own)}: settings of spectune's own server, not of --engine llama.cpp")
-        if self.run is not None:  # the run's chosen pair, where the flags do not say otherwise
-            chosen = RunLayout(self.run).read_chosen_pair()
-            self.target = self.target or Path(chosen["target"])
-            self.draft = self.draft or Path(chosen["draft"])
-            self.draft_max = chosen["k"] if self.draft_max == "auto" else self.draft_max
-            if "ngram" not in self.model_fields_set and chosen.get("ngram") is not None:
-                self.ngram = NgramSettings.model_validate(chosen["ngram"])
-                # llama-server's n-gram speculator reads the conversation only
-                use_data = self.engine == "spectune" and not self.ngram_data and chosen.get("ngram_data")
-                self.ngram_data = Path(chosen["ngram_data"]) if use_data else self.ngram_data
-        if self.target is None:
-            raise ValueError("give --target (and --draft), or --run RUN_DIR")
-        if self.ngram_data is not None and self.ngram is None:
-            raise ValueError("--ngram-data fills n-gram lookup's domain table: give --ngram too (e.g. --ngram on)")
-        if self.engine == "spectune" and self.draft is not None and self.draft.is_file() and is_eagle3_gguf(self.draft):
-            raise ValueError(
-                f"{self.draft} is an EAGLE-3 head: serve it with --engine llama.cpp (spectune's own loop cannot hand "
-                "it the target's layer inputs)"
-            )
-        self.draft_max = self.k
-        return self
-
-
-class Slot:
-    def __init__(self, config: ServeConfig, domain: NgramTable | None) -> None:
-        self.target = LlamaModel(config.target, n_ctx=config.n_ctx, threads=config.threads, exact=config.exact)
-        draft = (
-            LlamaModel(config.draft, n_ctx=config.n_ctx, threads=config.threads, exact=config.exact)
-            if config.draft
-            else None
-        )
-        ngram = NgramDrafter(config.ngram, domain) if config.ngram else None  # its conversation table is the slot's
-        self.decoder = SpeculativeDecoder(self.target, draft, ngram)
-        self.owner: str | None = None  # the caller whose conversation the KV cache holds
-
-    def serve(self, caller: str | None, reuse_prefix: bool) -> None:
-        """Keep the cached prompt only for the same caller: another caller must learn nothing of it, not even
-        through how many tokens were reused or how fast the first token came."""
-        if caller is None or caller != self.owner or not reuse_prefix:
-            self.decoder.forget()
-        self.owner = caller
-
-
-def ngram_domain(config: ServeConfig) -> NgramTable | None:
-    """The n-gram domain table every slot reads (built once, from the target's own tokenization of the answers)."""
-    if config.ngram is None:
-        return None
-    answers = assistant_turns(config.ngram_data) if config.ngram_data else []
-    tokenizer = LlamaModel(config.target, n_ctx=64, threads=1)  # its weights are mmapped: the slots' pages
-    try:
-        return domain_of_texts(config.ngram, answers, tokenizer.tokenize)
-    finally:
-        tokenizer.close()
+from spectune.serve.slots import Slot, calibration_conversations, decoder_source
 
 
 def error_body(status: int, message: str, kind: str, param: str | None = None) -> tuple[int, dict[str, Any]]:
     return status, {"error": {"message": message, "type": kind, "param": param, "code": status}}
-
-
-def make_metrics(registry: CollectorRegistry) -> dict[str, Any]:
-    latency = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30)
-    return {
-        "requests": Counter(
-            "spectune_requests", "Requests by status (499: the caller hung up)", ["status"], registry=registry
-        ),
-        "ttft": Histogram(
-            "spectune_ttft_seconds",
-            "Time to first token as the caller sees it: from the request's arrival, the wait for a slot included",
-            registry=registry,
-            buckets=latency,
-        ),
-        "queue_wait": Histogram(
-            "spectune_queue_wait_seconds", "Time a request waited for a slot", registry=registry, buckets=latency
-        ),
-        "tps": Histogram(
-            "spectune_tokens_per_second",
-            "Decode tokens/s per request",
-            registry=registry,
-            buckets=(5, 10, 20, 40, 80, 160, 320, 640, 1280),
-        ),
-        "acceptance": Gauge("spectune_acceptance_rate", "Acceptance rate of the last request", registry=registry),
-        "accepted_len": Gauge("spectune_mean_accepted_len", "Tokens per target pass, last request", registry=registry),
-        "queue": Gauge("spectune_queue_depth", "Requests waiting for a slot", registry=registry),
-        "connections_closed": Counter(
-            "spectune_connections_closed",
-            "Connections the server closed: header_timeout, body_timeout, evicted (the oldest without a request, to "
-            "make room past max_connections), full, answered_before_body",
-            ["reason"],
-            registry=registry,
-        ),
-        "slots_in_use": Gauge("spectune_slots_in_use", "Slots running a generation", registry=registry),
-    }
 
 
 class TooLarge(Exception):
@@ -220,6 +55,9 @@ async def read_body(request: Request, limit: int) -> bytes:
     return bytes(body)
 
 
+HANG_UP_CHECK_SECONDS = 0.05  # how often a stream asks whether its caller hung up (each ask costs the event loop)
+
+
 class Server:
     """The slots, the metrics, the running generations and the request handling; `create_app` maps the routes."""
 
@@ -229,9 +67,13 @@ class Server:
         self.registry = CollectorRegistry()
         self.metrics = make_metrics(self.registry)
         self.slots: asyncio.Queue[Slot] = asyncio.Queue()
-        domain = ngram_domain(config)
-        for _ in range(config.slots):
-            self.slots.put_nowait(Slot(config, domain))
+        source = decoder_source(config)
+        conversations = calibration_conversations(config.calibration_data)
+        self.choice, first = choose(config.mode, source, conversations, self.decoding)
+        self.slots.put_nowait(Slot(first))
+        for _ in range(config.slots - 1):
+            self.slots.put_nowait(Slot(source.load(self.choice.mode)))
+        mode_metrics(self.registry, self.choice)
         self.jobs: set[Job] = set()
         self.queued = 0  # requests waiting for a slot (with the jobs: the requests in progress)
         self.metrics["queue"].set_function(lambda: self.queued)  # the gauge reads the count, never a copy of it
@@ -240,9 +82,11 @@ class Server:
         self.loop: asyncio.AbstractEventLoop | None = None
         self.busy_since: float | None = None  # when the last free slot was taken
         # OpenAI's field for "which backend configuration produced this answer": the build and the setting.
-        verdict = identity_verdict(config.target, config.exact)
+        exact = config.exact and self.choice.mode == "speculative"
+        verdict = identity_verdict(config.target, exact)
         identity = "identical to the target alone" if verdict["guaranteed"] else "identity not guaranteed"
-        self.fingerprint = f"{verdict['build']}; exact {'on' if config.exact else 'off'}; {identity}"
+        identity = "the target alone" if self.choice.mode == "fastest" else identity
+        self.fingerprint = f"{verdict['build']}; exact {'on' if exact else 'off'}; {identity}"
 
     def close(self) -> None:
         """The first stop signal: cancel every generation and refuse every queued and new request (503), from any
@@ -265,7 +109,13 @@ class Server:
         """Degraded (503) when no slot has been free for longer than a queued request may wait, or when stopping."""
         busy = self.busy_since is not None and time.monotonic() - self.busy_since > self.config.queue_timeout
         status = "stopping" if self.closing else "degraded" if busy else "ok"
-        body = {"status": status, "slots_free": self.slots.qsize(), "slots": self.config.slots}
+        body = {
+            "status": status,
+            "slots_free": self.slots.qsize(),
+            "slots": self.config.slots,
+            "mode": self.choice.mode,
+            "mode_reason": self.choice.reason,
+        }
         return (200 if status == "ok" else 503), body
 
     def fail(self, status: int, message: str, kind: str, param: str | None = None, headers: dict | None = None) -> Any:
@@ -437,14 +287,29 @@ class Server:
         continuous = chat.stream_options is not None and chat.stream_options.continuous_usage_stats
         counted: dict[str, Any] | None = None  # the usage as of the last text read
         yield sse(self.chunk(job, {"role": "assistant", "content": ""}, None))
+        checked = time.monotonic()  # when the connection was last asked whether the caller is still there
         try:
-            while (item := await job.queue.get()) is not None:
-                if await request.is_disconnected():
-                    job.cancel.set()
+            ended = False
+            while not ended and (item := await job.queue.get()) is not None:
                 text, counted = item
                 pending += text
-                cut = max((m.end() for m in CLAUSE_END.finditer(pending)), default=0)
-                piece, pending = (pending[:cut], pending[cut:]) if chat.chunking == "sentence" else (pending, "")
+                # What is already queued goes out in one chunk: on a fast model the per-chunk work here (one write,
+                # one read by the caller) was a quarter of a token's time, where llama-server's is C++.
+                while not job.queue.empty():
+                    if (item := job.queue.get_nowait()) is None:
+                        ended = True
+                        break
+                    pending, counted = pending + item[0], item[1]
+                if time.monotonic() - checked > HANG_UP_CHECK_SECONDS:
+                    checked = time.monotonic()
+                    if await request.is_disconnected():
+                        job.cancel.set()
+                cut = (
+                    max((m.end() for m in CLAUSE_END.finditer(pending)), default=0)
+                    if chat.chunking == "sentence"
+                    else len(pending)
+                )
+                piece, pending = pending[:cut], pending[cut:]
                 if piece:
                     yield sse(self.chunk(job, {"content": piece}, None, counted if continuous else None))
             try:
@@ -531,170 +396,3 @@ def create_app(config: ServeConfig) -> FastAPI:
 
 def sse(payload: dict[str, Any]) -> bytes:
     return f"data: {json.dumps(payload)}\n\n".encode()
-
-
-def cut_message(stats: Stats) -> str:
-    return f"the server shut down while answering: the answer was cut after {stats.generated} tokens"
-
-
-def usage(stats: Stats) -> dict[str, Any]:
-    return {
-        "prompt_tokens": stats.prompt_tokens,
-        "completion_tokens": stats.generated,
-        "total_tokens": stats.prompt_tokens + stats.generated,
-        # OpenAI's field for the prompt prefix served from cache: a conversation's earlier turns.
-        "prompt_tokens_details": {"cached_tokens": stats.reused_prompt_tokens},
-    }
-
-
-def stats_json(stats: Stats) -> dict[str, Any]:
-    keys = (
-        "drafted",
-        "accepted",
-        "acceptance_rate",
-        "mean_accepted_len",
-        "ttft_seconds",
-        "tokens_per_second",
-        "reused_prompt_tokens",
-        "draft_reused_prompt_tokens",
-        "draft_seconds",
-        "verify_seconds",
-        "ngram_drafted",
-        "ngram_accepted",
-    )
-    values = stats.as_dict()
-    return {key: values[key] for key in keys}
-
-
-class Job:
-    """One generation on a worker thread; its text comes back through an asyncio queue."""
-
-    def __init__(
-        self,
-        slot: Slot,
-        prompt: list[int],
-        sampling: DecodeSettings,
-        loop: asyncio.AbstractEventLoop,
-        config: ServeConfig,
-        arrived: float,
-    ) -> None:
-        self.id = f"chatcmpl-{uuid.uuid4().hex[:24]}"
-        self.slot, self.prompt, self.sampling, self.loop = slot, prompt, sampling, loop
-        self.first_words: FirstWords = config.first_words
-        self.deadline = time.monotonic() + config.max_seconds
-        self.arrived = arrived  # when the request came (perf_counter): the caller's time to first token runs from it
-        self.started = time.perf_counter()  # the generation's start, set again when its thread begins
-        self.timed_out = False
-        self.aborted = False  # cut by the server's shutdown, not by the caller or a limit
-        # each piece of text with the usage counted when it was made (the slot's live counts move on to the next
-        # request while a slow reader still reads this one's)
-        self.queue: asyncio.Queue[tuple[str, dict[str, Any]] | None] = asyncio.Queue()
-        self.cancel = threading.Event()
-        self.done: asyncio.Future = loop.create_future()
-        self.thread = threading.Thread(target=self._run, daemon=True)
-
-    def start(self) -> None:
-        self.thread.start()
-
-    @property
-    def cut_by_shutdown(self) -> bool:
-        """The server's shutdown stopped this generation before it ended by itself (not one that had just ended)."""
-        return self.aborted and self.done.result().stats.finish_reason == "cancelled"
-
-    def finish_reason(self) -> str:
-        """OpenAI's reasons, and vLLM's `abort` for an answer the server's shutdown cut."""
-        if self.cut_by_shutdown:
-            return "abort"
-        reason = self.done.result().stats.finish_reason
-        return "length" if reason == "length" or self.timed_out else "stop"
-
-    def _call(self, *args: Any) -> None:
-        """Hand something to the event loop, unless it has closed (the server is shutting down)."""
-        with contextlib.suppress(RuntimeError):
-            self.loop.call_soon_threadsafe(*args)
-
-    def _run(self) -> None:
-        def on_text(text: str) -> bool:
-            if text:
-                self._call(self.queue.put_nowait, (text, usage(self.slot.decoder.progress)))
-            if time.monotonic() > self.deadline:
-                self.timed_out = True
-            return not (self.cancel.is_set() or self.timed_out)
-
-        self.started = time.perf_counter()
-        try:
-            result = self.slot.decoder.generate(self.prompt, self.sampling, on_text, self.first_words)
-        except Exception as exc:  # surfaces in the request that waits for it
-            self._call(self._finish, None, exc)
-        else:
-            self._call(self._finish, result, None)
-
-    def _finish(self, result: Any, error: BaseException | None) -> None:
-        if error is not None:
-            self.done.set_exception(error)
-        else:
-            self.done.set_result(result)
-        self.queue.put_nowait(None)
-
-    async def result(self) -> Generation:
-        return await asyncio.shield(self.done)
-
-
-class SpectuneUvicorn(uvicorn.Server):
-    """uvicorn's server, told of the stop signal as it comes: the first SIGINT or SIGTERM cancels the running
-    generations and refuses the queued requests at once, instead of waiting for every answer to finish."""
-
-    def __init__(self, config: uvicorn.Config, server: Server) -> None:
-        super().__init__(config)
-        self.spectune = server
-
-    def handle_exit(self, sig: int, frame: Any) -> None:
-        # A signal handler can interrupt the loop's thread anywhere, even inside a lock close() takes (a second
-        # Ctrl-C during the first one's close() deadlocked): the cancelling runs on the loop, right after this.
-        self.spectune.closing = True
-        if self.spectune.loop is not None:
-            with contextlib.suppress(RuntimeError):  # the loop has already closed
-                self.spectune.loop.call_soon_threadsafe(self.spectune.close)
-        super().handle_exit(sig, frame)
-
-    def stop(self) -> None:
-        """Stop as a signal would (tests, embedding)."""
-        self.spectune.close()
-        self.should_exit = True
-
-
-def make_uvicorn(config: ServeConfig, host: str | None = None, port: int | None = None, **options: Any) -> Any:
-    """The spectune app in uvicorn with the server's connection limits."""
-    app = create_app(config)
-    closed = app.state.server.metrics["connections_closed"]
-    protocol = guarded_protocol(
-        config.header_timeout,
-        config.body_timeout,
-        config.max_connections,
-        lambda reason: closed.labels(reason=reason).inc(),
-    )
-    settings = uvicorn.Config(
-        app,
-        host=host or config.host,
-        port=config.port if port is None else port,
-        http=protocol,
-        limit_concurrency=None,  # uvicorn would count idle connections too: see serve/connections.py
-        timeout_keep_alive=config.keep_alive,
-        **options,
-    )
-    return SpectuneUvicorn(settings, app.state.server)
-
-
-def serve_in_thread(config: ServeConfig, host: str = "127.0.0.1") -> tuple[Any, threading.Thread, str]:
-    """Start the server on a free port in a background thread (tests, benchmarks, embedding);
-    returns (uvicorn server, thread, base URL). Stop it with `server.stop()`."""
-    port = free_port(host)
-    server = make_uvicorn(config, host, port, log_level="warning")
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.time() + 60
-    while not server.started and thread.is_alive() and time.time() < deadline:
-        time.sleep(0.05)
-    if not server.started:
-        raise RuntimeError(f"the server did not start on {host}:{port}")
-    return server, thread, f"http://{host}:{port}"

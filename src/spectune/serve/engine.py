@@ -12,7 +12,7 @@ from spectune.engines.llama_cpp import SERVER, built_tool
 from spectune.engines.llama_server import LlamaServer, server_command, server_env
 from spectune.export.llama_flags import check_command
 from spectune.runtime.llama import is_eagle3_gguf
-from spectune.serve.app import ServeConfig
+from spectune.serve.config import ServeConfig
 from spectune.threads import thread_count
 
 READY_SECONDS = 300.0  # a 12B GGUF takes a while to map on a cold disk

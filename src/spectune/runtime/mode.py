@@ -1,0 +1,163 @@
+"""Which way to decode on this machine: speculative at the exact settings, or the target alone at llama.cpp's
+fastest settings.
+
+Speculative answers equal the target's own only at the exact settings (no repacked weights, no flash attention:
+runtime/llama.py), which cost 8-38% a token on a CPU. Where no draft wins that back, the target alone at llama.cpp's
+fastest settings (repacked weights, flash attention as llama.cpp chooses) answers sooner, and what it says is the
+target's own answer by construction: nothing speculates. So `auto` measures both on a few prompts at start and
+serves the faster; `speculative` and `fastest` force one. The tiled K-quant matmul stays off in either mode (it is
+process-wide: runtime/llama.py), which touches batched prefill only, not the one-token decode compared here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field
+
+from spectune.config import Settings
+from spectune.runtime.chat import chat_tokens
+from spectune.runtime.decode import DecodeSettings
+from spectune.runtime.llama import LlamaModel
+from spectune.runtime.ngram import NgramDrafter
+from spectune.runtime.speculative import SpeculativeDecoder
+
+Mode = Literal["auto", "speculative", "fastest"]
+Chosen = Literal["speculative", "fastest"]
+CALIBRATION_TOKENS = 32  # per prompt and round: enough steps for the draft's acceptance to show
+CALIBRATION_ROUNDS = 2  # measured rounds after a short warm-up; the quicker round counts (a stall only slows)
+# A phone assistant's first questions, where no task data is given (--calibration-data, or a run's eval set).
+CALIBRATION_PROMPTS = (
+    "Hi, I'd like to book a table for two tomorrow evening. What times do you have?",
+    "Can you tell me when my order will arrive? It was placed on Monday.",
+    "I need to change my flight to Friday morning, is that possible?",
+)
+
+
+class ModeSettings(Settings):
+    """How `spectune serve` and `generate` pick their way of decoding (the one definition of these settings)."""
+
+    mode: Mode = Field(
+        "auto",
+        description="speculative: target + draft at the exact settings (answers identical to the target alone's); "
+        "fastest: the target alone at llama.cpp's fastest settings; auto: whichever decodes faster here, measured "
+        "at start (the target alone is always fastest).",
+    )
+    calibration_data: Path | None = Field(
+        None,
+        description="Chat dataset whose first prompts --mode auto measures (default: a run's eval set, else three "
+        "built-in phone questions).",
+    )
+
+
+@dataclass(frozen=True)
+class ModeChoice:
+    mode: Chosen
+    reason: str
+    # Measured decode speeds (tokens after the first over their seconds), where auto measured them.
+    speculative_tokens_per_second: float | None = None
+    fastest_tokens_per_second: float | None = None
+
+
+def faster(speculative_tokens_per_second: float, fastest_tokens_per_second: float) -> Chosen:
+    """The rule serve, generate and bench share: speculate only where it decodes faster than the fastest alone."""
+    return "speculative" if speculative_tokens_per_second > fastest_tokens_per_second else "fastest"
+
+
+@dataclass(frozen=True)
+class DecoderSource:
+    """What a decoder is loaded from, in either mode (each load is its own contexts: a server slot's)."""
+
+    target: Path
+    draft: Path | None
+    ngram: Callable[[], NgramDrafter] | None  # a fresh lookup per decoder (its conversation table is its own)
+    n_ctx: int
+    threads: int | None
+    exact: bool  # the speculative mode's setting (fastest is never exact)
+
+    @property
+    def speculates(self) -> bool:
+        return self.draft is not None or self.ngram is not None
+
+    def load(self, mode: Chosen) -> SpeculativeDecoder:
+        if mode == "fastest":
+            return SpeculativeDecoder(LlamaModel(self.target, n_ctx=self.n_ctx, threads=self.threads, exact=False))
+        target = LlamaModel(self.target, n_ctx=self.n_ctx, threads=self.threads, exact=self.exact)
+        draft = LlamaModel(self.draft, n_ctx=self.n_ctx, threads=self.threads, exact=self.exact) if self.draft else None
+        return SpeculativeDecoder(target, draft, self.ngram() if self.ngram else None)
+
+
+def choose(
+    requested: Mode,
+    source: DecoderSource,
+    conversations: list[list[dict[str, str]]],
+    decoding: DecodeSettings,
+    log: Callable[[str], None] = lambda _: None,
+) -> tuple[ModeChoice, SpeculativeDecoder]:
+    """The mode to decode in, and a decoder loaded in it. auto measures both on `conversations` (the loser's models
+    are freed); the target alone, with no draft nor lookup, is the fastest mode with nothing to measure."""
+    if not source.speculates:
+        choice = ModeChoice("fastest", "no draft nor lookup: the target alone, at llama.cpp's fastest settings")
+    elif requested != "auto":
+        choice = ModeChoice(requested, f"--mode {requested}")
+    else:
+        decoders = {mode: source.load(mode) for mode in ("speculative", "fastest")}
+        # On a thread of its own that then ends: llama.cpp's OpenMP build keeps a team of worker threads per calling
+        # thread, and a team left on this thread outnumbered the cores beside each request thread's own, so OpenMP
+        # spun less at its barriers: the Qwen 1.5B was served at 26-30 tok/s after it, 37-41 without.
+        with ThreadPoolExecutor(max_workers=1) as pool:
+            choice = pool.submit(
+                calibrate, decoders["speculative"], decoders["fastest"], conversations, decoding
+            ).result()
+        loser = decoders.pop("fastest" if choice.mode == "speculative" else "speculative")
+        close(loser)
+        log(f"mode auto -> {choice.mode} ({choice.reason})")
+        return choice, decoders[choice.mode]
+    log(f"mode {choice.mode} ({choice.reason})")
+    return choice, source.load(choice.mode)
+
+
+def close(decoder: SpeculativeDecoder) -> None:
+    """Free a decoder's models now (not at the garbage collector's leisure: a repacked target is a copy)."""
+    decoder.target.close()
+    if decoder.drafter is not None and decoder.drafter.model is not None:
+        decoder.drafter.model.close()
+
+
+def calibrate(
+    speculative: SpeculativeDecoder,
+    fastest: SpeculativeDecoder,
+    conversations: list[list[dict[str, str]]],
+    decoding: DecodeSettings,
+) -> ModeChoice:
+    """Decode each conversation both ways, interleaved, and choose by the quicker round of each (after a short
+    warm-up). Both decoders forget between answers: the first token is a prefill either way and is not counted."""
+    settings = decoding.model_copy(update={"max_tokens": CALIBRATION_TOKENS})
+    prompts = [chat_tokens(speculative.target, messages) for messages in conversations]
+    decoders = {"speculative": speculative, "fastest": fastest}
+    for decoder in decoders.values():  # warm-up: page faults, the threads' first wake
+        decoder.forget()
+        decoder.generate(prompts[0], settings.model_copy(update={"max_tokens": 4}))
+    best: dict[str, float] = {}
+    for _ in range(CALIBRATION_ROUNDS):
+        for name, decoder in decoders.items():
+            tokens, seconds = 0, 0.0
+            for prompt in prompts:
+                decoder.forget()
+                stats = decoder.generate(prompt, settings).stats
+                tokens += max(0, stats.generated - 1)
+                seconds += stats.total_seconds - stats.ttft_seconds
+            rate = tokens / seconds if seconds > 0 else 0.0
+            best[name] = max(best.get(name, 0.0), rate)
+    for decoder in decoders.values():
+        decoder.forget()
+    chosen = faster(best["speculative"], best["fastest"])
+    reason = (
+        f"measured here on {len(prompts)} prompts: speculative {best['speculative']:.1f} tok/s, the target alone at "
+        f"llama.cpp's fastest settings {best['fastest']:.1f} tok/s"
+    )
+    return ModeChoice(chosen, reason, best["speculative"], best["fastest"])

@@ -1,0 +1,113 @@
+"""`spectune serve`'s settings: the one definition of what the server takes (flags, YAML, a run's chosen pair)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from spectune.layout import RunLayout
+from spectune.runtime.decode import DecodeSettings
+from spectune.runtime.llama import is_eagle3_gguf
+from spectune.runtime.mode import ModeSettings
+from spectune.runtime.ngram import NgramSettings
+from spectune.runtime.speculative import FirstWords
+
+# What llama-server has no equivalent for (its request size, queue, time and connection limits are its own).
+SPECTUNE_ONLY = {
+    "queue_timeout",
+    "max_request_bytes",
+    "max_seconds",
+    "reuse_prefix",
+    "limit_concurrency",
+    "max_connections",
+    "header_timeout",
+    "body_timeout",
+    "keep_alive",
+    "first_words",
+    "ngram_data",  # llama-server's n-gram speculator reads the conversation only
+    "stop",  # a request's own stop strings reach llama-server; it has no server-wide default
+    "min_tokens",
+    "adaptive",
+    "mode",  # llama-server decodes as its flags say: spectune serve --mode fastest is llama-server without a draft
+    "calibration_data",
+}
+
+
+class ServeConfig(DecodeSettings, ModeSettings):
+    """Everything `spectune serve` takes; the decoding settings are the defaults of a request that names none
+    (as llama-server's -n, --temp, --top-k, ...)."""
+
+    engine: Literal["spectune", "llama.cpp"] = Field(
+        "spectune", description="spectune's own server, or llama.cpp's llama-server on the same pair and settings."
+    )
+    llama_server: Path | None = Field(
+        None, description="The llama-server binary for --engine llama.cpp (default: `spectune tools build-llama-cpp`)."
+    )
+    target: Path | None = Field(None, description="Target GGUF (or --run).")
+    draft: Path | None = Field(None, description="Draft GGUF: speculative decoding (or --run).")
+    run: Path | None = Field(None, description="A finished `spectune run` folder: serve its chosen pair and k.")
+    host: str = Field("127.0.0.1", description="Bind address (loopback by default).")
+    port: int = Field(8000, ge=0, le=65535, description="Port.")
+    slots: int = Field(1, ge=1, description="Concurrent generations (each its own contexts).")
+    n_ctx: int = Field(4096, ge=64, description="Context length per slot.")
+    queue_timeout: float = Field(30.0, gt=0, description="Seconds a request may wait for a slot, then 503.")
+    api_key: str | None = Field(None, min_length=1, description="Require this bearer token (also $SPECTUNE_API_KEY).")
+    threads: int | None = Field(None, ge=1, description="Threads for llama.cpp (default: $SPECTUNE_THREADS or all).")
+    max_request_bytes: int = Field(1 << 20, ge=1024, description="Largest request body (413 past it).")
+    max_seconds: float = Field(120.0, gt=0, description="Longest a generation may run (then finish_reason length).")
+    model_name: str = Field("spectune", description="The model id the API reports.")
+    reuse_prefix: bool = Field(True, description="Keep a slot's KV cache for the next turn of a conversation.")
+    first_words: FirstWords = Field(
+        "auto",
+        description="The first clause: drafted from the second token on (draft), by the target alone while the draft "
+        "catches up (alone), or whichever this server has measured to come sooner (auto). The first token is "
+        "always the target's own.",
+    )
+    limit_concurrency: int = Field(
+        64, ge=1, description="Requests waiting for or holding a slot at most; 503 past it (/health never waits)."
+    )
+    max_connections: int = Field(
+        1024, ge=2, description="Open connections at most; past it a new one closes the oldest that holds no request."
+    )
+    header_timeout: float = Field(
+        10.0, gt=0, description="Seconds a connection may take to send a request's headers (half-open, slowloris)."
+    )
+    body_timeout: float = Field(10.0, gt=0, description="Seconds a request's body may take after its headers (408).")
+    keep_alive: float = Field(5.0, gt=0, description="Seconds an idle keep-alive connection stays open.")
+    ngram: NgramSettings | None = Field(
+        None, description="N-gram lookup in front of the draft (or alone): the conversation's, and the domain's."
+    )
+    ngram_data: Path | None = Field(
+        None, description="Chat dataset whose assistant turns fill the n-gram domain table (the target's answers)."
+    )
+
+    @model_validator(mode="after")
+    def _pair(self) -> ServeConfig:
+        own = sorted(SPECTUNE_ONLY & self.model_fields_set)
+        if self.engine == "llama.cpp" and own:
+            raise ValueError(f"{', '.join(own)}: settings of spectune's own server, not of --engine llama.cpp")
+        if self.run is not None:  # the run's chosen pair, where the flags do not say otherwise
+            chosen = RunLayout(self.run).read_chosen_pair()
+            self.target = self.target or Path(chosen["target"])
+            self.draft = self.draft or Path(chosen["draft"])
+            self.draft_max = chosen["k"] if self.draft_max == "auto" else self.draft_max
+            eval_file = RunLayout(self.run).eval_file
+            self.calibration_data = self.calibration_data or (eval_file if eval_file.is_file() else None)
+            if "ngram" not in self.model_fields_set and chosen.get("ngram") is not None:
+                self.ngram = NgramSettings.model_validate(chosen["ngram"])
+                # llama-server's n-gram speculator reads the conversation only
+                use_data = self.engine == "spectune" and not self.ngram_data and chosen.get("ngram_data")
+                self.ngram_data = Path(chosen["ngram_data"]) if use_data else self.ngram_data
+        if self.target is None:
+            raise ValueError("give --target (and --draft), or --run RUN_DIR")
+        if self.ngram_data is not None and self.ngram is None:
+            raise ValueError("--ngram-data fills n-gram lookup's domain table: give --ngram too (e.g. --ngram on)")
+        if self.engine == "spectune" and self.draft is not None and self.draft.is_file() and is_eagle3_gguf(self.draft):
+            raise ValueError(
+                f"{self.draft} is an EAGLE-3 head: serve it with --engine llama.cpp (spectune's own loop cannot hand "
+                "it the target's layer inputs)"
+            )
+        self.draft_max = self.k
+        return self

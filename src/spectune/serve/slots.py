@@ -1,0 +1,55 @@
+"""The server's slots: each one decoder (its own llama.cpp contexts) in the mode chosen at start, and what each
+slot's decoder is loaded from."""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+from spectune.data.prepare import read_prompts
+from spectune.data.read import assistant_turns
+from spectune.runtime.llama import LlamaModel
+from spectune.runtime.mode import CALIBRATION_PROMPTS, DecoderSource
+from spectune.runtime.ngram import NgramDrafter, NgramTable, domain_of_texts
+from spectune.runtime.speculative import SpeculativeDecoder
+from spectune.serve.config import ServeConfig
+
+
+class Slot:
+    def __init__(self, decoder: SpeculativeDecoder) -> None:
+        self.decoder = decoder  # its own contexts, and its own n-gram conversation table
+        self.target = decoder.target
+        self.owner: str | None = None  # the caller whose conversation the KV cache holds
+
+    def serve(self, caller: str | None, reuse_prefix: bool) -> None:
+        """Keep the cached prompt only for the same caller: another caller must learn nothing of it, not even
+        through how many tokens were reused or how fast the first token came."""
+        if caller is None or caller != self.owner or not reuse_prefix:
+            self.decoder.forget()
+        self.owner = caller
+
+
+def calibration_conversations(data: Path | None, count: int = len(CALIBRATION_PROMPTS)) -> list[list[dict[str, str]]]:
+    """What --mode auto measures: the first prompts of a chat dataset, or the built-in phone questions."""
+    if data is None:
+        return [[{"role": "user", "content": question}] for question in CALIBRATION_PROMPTS]
+    return [prompt.messages for prompt in read_prompts(data)[:count]]
+
+
+def decoder_source(config: ServeConfig) -> DecoderSource:
+    """What each slot's decoder is loaded from."""
+    domain = ngram_domain(config)
+    ngram = functools.partial(NgramDrafter, config.ngram, domain) if config.ngram else None
+    return DecoderSource(config.target, config.draft, ngram, config.n_ctx, config.threads, config.exact)
+
+
+def ngram_domain(config: ServeConfig) -> NgramTable | None:
+    """The n-gram domain table every slot reads (built once, from the target's own tokenization of the answers)."""
+    if config.ngram is None:
+        return None
+    answers = assistant_turns(config.ngram_data) if config.ngram_data else []
+    tokenizer = LlamaModel(config.target, n_ctx=64, threads=1)  # its weights are mmapped: the slots' pages
+    try:
+        return domain_of_texts(config.ngram, answers, tokenizer.tokenize)
+    finally:
+        tokenizer.close()
