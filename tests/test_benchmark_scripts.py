@@ -34,13 +34,13 @@ def test_an_eagle3_answer_is_the_target_alones_or_its_continuation_past_the_limi
     assert not same_answer("Tables for", "Table for two", cut=True)
 
 
-def test_the_eagle3_summary_counts_tokens_seconds_and_identical_answers():
+def test_the_eagle3_summary_counts_an_identical_answer_by_the_target_alones_tokens():
     eagle3 = script("eagle3")
     rows = [
         {
             "variants": {
-                eagle3.TARGET: {"tokens": 10},
-                "head": {"tokens": 10, "seconds": 0.5, "drafted": 8, "accepted": 6, "identical": True},
+                eagle3.TARGET: {"tokens": 10},  # llama.cpp's tool counted one more for the same answer
+                "head": {"tokens": 11, "seconds": 0.5, "drafted": 8, "accepted": 6, "identical": True},
             }
         },
         {
