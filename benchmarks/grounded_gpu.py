@@ -28,10 +28,10 @@ from pathlib import Path
 from typing import Any
 
 from spectune.atomic import atomic_path
-from spectune.bench.summary import first_sentence_over_alone
+from spectune.bench.summary import first_sentence_over_alone, pooled_by_position
 from spectune.export.gguf import export_model
 from spectune.gpu.card import GpuCard, reference_card
-from spectune.gpu.predict import on_card
+from spectune.gpu.predict import on_card, on_card_of_steps
 from spectune.models.imported import fetch
 from spectune.models.tokenizer import save_tokenizer
 from spectune.models.world import RECIPES, build_tokenizer, llama_config
@@ -98,13 +98,33 @@ def model_layers(result: dict[str, Any], pair_draft: str | None, name: str) -> i
     return len(result["pair"]["draft_layers"] or DERIVED_LAYERS)
 
 
+def committed_steps(prompts: list[dict[str, Any]], name: str) -> tuple[list[int], int] | None:
+    """The steps a committed bench made for a variant, pooled over its per-prompt rows: (drafted_at, verify steps);
+    None for a result without them (older results, EAGLE-3 rows)."""
+    rows = [row["variants"][name] for row in prompts if name in row["variants"]]
+    if not rows or any("drafted_at" not in row for row in rows):
+        return None
+    return pooled_by_position(rows, "drafted_at"), sum(row["verify_steps"] for row in rows)
+
+
 def card_figures(
-    card: GpuCard, target: Weights, tau: float, drafted: float, layers: int, model_c: float, share: float
+    card: GpuCard,
+    target: Weights,
+    tau: float,
+    drafted: float,
+    layers: int,
+    model_c: float,
+    share: float,
+    steps: tuple[list[int], int] | None,
 ) -> dict[str, Any]:
-    """The variant on the card (spectune.gpu.predict.on_card, as `spectune predict` computes it), its draft model
-    reading `model_c` of the target's bytes and running `layers` layers (0: lookup alone)."""
+    """The variant on the card, its draft model reading `model_c` of the target's bytes and running `layers` layers
+    (0: lookup alone): from the steps the bench made where the result has them (the bench report's own computation,
+    spectune.gpu.predict.on_card_of_steps), else from the mean drafted (on_card, as `spectune predict` does)."""
     draft = Weights(round(model_c * target.step_read()), 0, 1, False, layers) if layers else None
-    figures = on_card(card, target, draft, share, tau, drafted)
+    if steps is None:
+        figures = on_card(card, target, draft, share, tau, drafted)
+    else:
+        figures = on_card_of_steps(card, target, draft, share, tau, *steps)
     return {
         "grounded_c": figures["c"],
         "grounded_c_band": figures["c_band"],
@@ -133,7 +153,9 @@ def predictions(card: GpuCard, result: dict, target: Weights, pair_draft: str | 
         "bytes_only": tau / (1 + drafted * bytes_c),
         "bytes_only_committed": committed,
         "draft_layers": layers,
-        **card_figures(card, target, tau, drafted, layers, model_c, share),
+        **card_figures(
+            card, target, tau, drafted, layers, model_c, share, committed_steps(result.get("prompts", []), name)
+        ),
     }
 
 
@@ -153,14 +175,20 @@ def first_sentence(row: dict[str, Any], grounded: float) -> dict[str, float] | N
 def bench_report_predictions(card: GpuCard, file: str, target: Weights) -> dict[str, dict[str, Any]]:
     """A `spectune bench` report's variants on the card, from their τ, mean drafted and bytes c (as the results of
     spectune's own loop above), and the first sentence."""
-    summary = json.loads((RESULTS / file).read_text())["summary"]
+    report = json.loads((RESULTS / file).read_text())
+    summary = report["summary"]
     out = {}
     for name, s in summary.items():
         model = name.split("+")[-1]
         model_c = 0.0 if model == NGRAM else summary[model]["gpu_cost_ratio"]
         share = s["gpu_cost_ratio"] / model_c if model_c else 0.0
         layers = 0 if model == NGRAM else BENCH_REPORTS[file][model]
-        figures = card_figures(card, target, s["mean_accepted_len"], s["mean_drafted_per_step"], layers, model_c, share)
+        tau, drafted, steps = (
+            s["mean_accepted_len"],
+            s["mean_drafted_per_step"],
+            committed_steps(report["prompts"], name),
+        )
+        figures = card_figures(card, target, tau, drafted, layers, model_c, share, steps)
         out[name] = figures | {
             "grounded_committed": s[GROUNDED],
             "first_sentence": first_sentence(s, figures["grounded"]),

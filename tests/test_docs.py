@@ -99,7 +99,7 @@ README_FIGURES = [
         ],
     ),
     (
-        "1.08x (1.06-1.08x) predicted, 1.27x (1.26-1.31x) with lookup in front",
+        "1.08x (1.06-1.08x) predicted, 1.27x (1.27-1.32x) with lookup in front",
         [
             ((*CUTS, "cut4", "grounded"), "{:.2f}"),
             ((*CUTS, "cut4", "grounded_band", 0), "{:.2f}"),
@@ -136,7 +136,7 @@ README_FIGURES = [
         ],
     ),
     ("first sentence 0.86x alone's with lookup", [((*DOMAIN, "ngram", "first_sentence", "card"), "{:.2f}")]),
-    ("the best Qwen variant predicts 1.31x (lookup)", [((*CUTS, "ngram", "grounded"), "{:.2f}")]),
+    ("the best Qwen variant predicts 1.27x (lookup, then the cut)", [((*CUTS, "ngram+cut4", "grounded"), "{:.2f}")]),
 ]
 STORY_GOALS = {"1.7", "2.2"}  # the reference story's speedups, goals rather than measurements
 QUOTED = re.compile(r"\d+\.\d+(?=x|-\d+\.\d+x)")  # a speedup, or the low end of a range of them

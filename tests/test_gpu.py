@@ -14,9 +14,16 @@ from spectune.cli import main
 from spectune.errors import SpectuneError
 from spectune.gpu.card import card_named, custom_card, reference_card
 from spectune.gpu.fit import BAND_QUANTILE, CardModel, excluded, fit, fit_report, leave_one_out
-from spectune.gpu.predict import PredictConfig, expected_tokens_by_position, predict, shape_weights
+from spectune.gpu.predict import (
+    PredictConfig,
+    expected_tokens_by_position,
+    on_card,
+    on_card_of_steps,
+    predict,
+    shape_weights,
+)
 from spectune.gpu.published import published
-from spectune.speedup import Weights, expected_tokens, verify_ratio_between
+from spectune.speedup import Weights, expected_tokens, verify_ratio_at, verify_ratio_between
 
 RESULTS = Path(__file__).parent.parent / "benchmarks" / "results"
 
@@ -154,3 +161,22 @@ def test_a_model_folder_is_read_at_q4_k_m_and_a_bad_one_is_named(tmp_path):
     (tmp_path / "config.json").write_text("{}")
     with pytest.raises(SpectuneError, match="num_hidden_layers"):
         shape_weights(str(tmp_path))
+
+
+def test_a_bench_measured_step_by_step_is_predicted_on_the_card_by_its_own_steps():
+    """on_card_of_steps (the bench's report, grounded_gpu.py, the README) equals on_card where every step drafted
+    the same d, and weighs r(d+1) step by step where they differ."""
+    card = reference_card()
+    target = Weights(total=1_000_000_000, embedding=0, rows=1, tied=False, layers=28)
+    draft = Weights(total=100_000_000, embedding=0, rows=1, tied=False, layers=4)
+    even = on_card_of_steps(card, target, draft, 1.0, 2.5, [100, 100, 100], 100)  # every step drafted 3
+    mean = on_card(card, target, draft, 1.0, 2.5, 3.0)
+    assert even["speedup"] == pytest.approx(mean["speedup"]) and even["c"] == pytest.approx(mean["c"])
+    assert even["speedup_band"] == pytest.approx(mean["speedup_band"])
+    # half the steps drafted 1, half 5: the same mean d = 3, costed step by step
+    mixed = on_card_of_steps(card, target, draft, 1.0, 2.5, [100, 50, 50, 50, 50], 100)
+    r = card.verify_ratios(target)
+    by_steps = 2.5 / ((verify_ratio_at(r, 2) + 1 * mean["c"] + verify_ratio_at(r, 6) + 5 * mean["c"]) / 2)
+    assert mixed["speedup"] == pytest.approx(by_steps)
+    lookup = on_card_of_steps(card, target, None, 0.0, 2.5, [100, 100, 100], 100)
+    assert lookup["c"] == 0.0 and lookup["speedup"] == pytest.approx(2.5 / verify_ratio_at(r, 4))

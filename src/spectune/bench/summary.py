@@ -9,6 +9,7 @@ from typing import Any
 
 from spectune.bench.config import BASELINES, BenchConfig, draft_length
 from spectune.gpu.card import reference_card
+from spectune.gpu.predict import on_card_of_steps
 from spectune.layout import TARGET
 from spectune.runtime.profile import gguf_weights
 from spectune.speedup import first_sentence_ratio, speedup_of_steps, step_cost_ratio, verify_ratio_at
@@ -169,18 +170,14 @@ def gpu_predictions(
     draft_weights = gguf_weights(draft_path) if draft_path else None
     read_c = step_cost_ratio(draft_weights, target_weights) if draft_weights else 0.0
     gpu_c = (config.gpu_cost_ratio.get(name) or read_c) * model_share
-    grounded_c, c_band = 0.0, (0.0, 0.0)
-    if draft_weights:
-        grounded_c = card.cost_ratio(draft_weights, target_weights) * model_share
-        c_band = tuple(c * model_share for c in card.cost_ratio_band(draft_weights, target_weights))
-    band = card.band_of(lambda c, r: speedup_of_steps(*steps, c, r), c_band, target_weights)  # type: ignore[arg-type]
+    grounded = on_card_of_steps(card, target_weights, draft_weights, model_share, *steps)
     return {
         "gpu_cost_ratio": gpu_c,
         "predicted_speedup_gpu": speedup_of_steps(*steps, gpu_c, None),
         "gpu_card": card.label,
-        "grounded_cost_ratio": grounded_c,
-        "predicted_speedup_gpu_grounded": speedup_of_steps(*steps, grounded_c, card.verify_ratios(target_weights)),
-        "predicted_speedup_gpu_grounded_band": list(band),
+        "grounded_cost_ratio": grounded["c"],
+        "predicted_speedup_gpu_grounded": grounded["speedup"],
+        "predicted_speedup_gpu_grounded_band": list(grounded["speedup_band"]),
     }
 
 

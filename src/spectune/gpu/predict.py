@@ -14,10 +14,17 @@ from typing import Any
 from pydantic import BaseModel, Field
 
 from spectune.errors import SpectuneError
-from spectune.gpu.card import GpuCard, card_named, custom_card, reference_card
+from spectune.gpu.card import Band, GpuCard, card_named, custom_card, reference_card
 from spectune.gpu.published import published
 from spectune.runtime.profile import gguf_weights
-from spectune.speedup import MAX_DRAFT_LEN, Q4_K_M_BITS, Weights, verify_ratio_at, verify_ratio_between
+from spectune.speedup import (
+    MAX_DRAFT_LEN,
+    Q4_K_M_BITS,
+    Weights,
+    speedup_of_steps,
+    verify_ratio_at,
+    verify_ratio_between,
+)
 
 STORY_GOALS = (1.7, 2.2)  # the reference story's mean and best speedups
 
@@ -139,18 +146,43 @@ def _bench_draft(name: str, bytes_c: float, target: Weights, drafts: dict[str, W
     return draft, bytes_c / (draft.step_read() / target.step_read())
 
 
-def on_card(card: GpuCard, target: Weights, draft: Weights | None, share: float, tau: float, drafted: float) -> dict:
-    """A variant as a bench measured it (τ, and `drafted` tokens a step on average) on the card: c with its band (the
-    draft model's c times the `share` of proposals it made; None: lookup alone, which costs nothing), and
-    S = τ / (r(d+1) + d·c) with its band, r interpolated at the mean."""
+def draft_cost(card: GpuCard, target: Weights, draft: Weights | None, share: float) -> tuple[float, Band]:
+    """c on the card, with its band, of a draft model that made `share` of the proposals (None: lookup alone, which
+    costs nothing)."""
     if draft is None:
-        cost, cost_band = 0.0, (0.0, 0.0)
-    else:
-        cost = card.cost_ratio(draft, target) * share
-        cost_band = tuple(c * share for c in card.cost_ratio_band(draft, target))
+        return 0.0, (0.0, 0.0)
+    low, high = card.cost_ratio_band(draft, target)
+    return card.cost_ratio(draft, target) * share, (low * share, high * share)
+
+
+def on_card(card: GpuCard, target: Weights, draft: Weights | None, share: float, tau: float, drafted: float) -> dict:
+    """A variant known by its τ and the tokens a step drafts on average (the offline meter's, α by hand) on the card:
+    c with its band, and S = τ / (r(d+1) + d·c) with its band, r interpolated at the mean."""
+    cost, cost_band = draft_cost(card, target, draft, share)
     speedup = tau / (verify_ratio_between(card.verify_ratios(target), drafted + 1) + drafted * cost)
-    band = card.speedup_band(tau, drafted, cost_band, target)  # type: ignore[arg-type]
+    band = card.speedup_band(tau, drafted, cost_band, target)
     return {"c": cost, "c_band": cost_band, "k": round(drafted), "tau": tau, "speedup": speedup, "speedup_band": band}
+
+
+def on_card_of_steps(
+    card: GpuCard, target: Weights, draft: Weights | None, share: float, tau: float, drafted_at: list[int], steps: int
+) -> dict:
+    """A variant as a bench measured it, step by step, on the card: S = τ / mean over the steps of (r(d+1) + d·c),
+    each step at the d it drafted (speedup.speedup_of_steps), with its band. The bench's report, grounded_gpu.py and
+    the README read this one computation."""
+    cost, cost_band = draft_cost(card, target, draft, share)
+
+    def speedup(c: float, r: dict[str, float]) -> float:
+        return speedup_of_steps(tau, drafted_at, steps, c, r)
+
+    central = speedup(cost, card.verify_ratios(target))
+    return {
+        "c": cost,
+        "c_band": cost_band,
+        "tau": tau,
+        "speedup": central,
+        "speedup_band": card.band_of(speedup, cost_band, target),
+    }
 
 
 def draft_row(
