@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from spectune.atomic import atomic_path
-from spectune.bench.summary import first_sentence_over_alone, pooled_by_position
+from spectune.bench.summary import first_sentence_over_alone
 from spectune.export.gguf import export_model
 from spectune.gpu.card import GpuCard, reference_card
 from spectune.gpu.predict import on_card, on_card_of_steps
@@ -38,7 +38,7 @@ from spectune.models.world import RECIPES, build_tokenizer, llama_config
 from spectune.pipeline import DERIVED_LAYERS
 from spectune.runtime.ngram import NGRAM
 from spectune.runtime.profile import gguf_weights
-from spectune.speedup import Weights, verify_ratio_between
+from spectune.speedup import Weights, steps_of, verify_ratio_between
 from spectune.threads import configure_torch_threads
 
 RESULTS = Path(__file__).parent / "results"
@@ -99,12 +99,8 @@ def model_layers(result: dict[str, Any], pair_draft: str | None, name: str) -> i
 
 
 def committed_steps(prompts: list[dict[str, Any]], name: str) -> tuple[list[int], int] | None:
-    """The steps a committed bench made for a variant, pooled over its per-prompt rows: (drafted_at, verify steps);
-    None for a result without them (older results, EAGLE-3 rows)."""
-    rows = [row["variants"][name] for row in prompts if name in row["variants"]]
-    if not rows or any("drafted_at" not in row for row in rows):
-        return None
-    return pooled_by_position(rows, "drafted_at"), sum(row["verify_steps"] for row in rows)
+    """The steps a committed bench made for a variant, from its per-prompt rows (None: not recorded)."""
+    return steps_of([row["variants"][name] for row in prompts if name in row["variants"]])
 
 
 def card_figures(

@@ -23,7 +23,13 @@ from spectune.gpu.predict import (
     shape_weights,
 )
 from spectune.gpu.published import published
-from spectune.speedup import Weights, expected_tokens, verify_ratio_at, verify_ratio_between
+from spectune.speedup import (
+    Weights,
+    expected_tokens,
+    speedup_of_steps,
+    steps_of,
+    verify_ratio_at,
+)
 
 RESULTS = Path(__file__).parent.parent / "benchmarks" / "results"
 
@@ -110,7 +116,8 @@ def test_tau_by_position_is_the_iid_formula_for_one_alpha():
 def test_predict_answers_for_a_committed_run_without_loading_a_model():
     # The tuned Qwen pair's domain bench (τ and the tokens each step drafted, as measured), its members by shape
     report = RESULTS / "speculative_qwen_sgd_domain.json"
-    summary = json.loads(report.read_text())["summary"]
+    loaded = json.loads(report.read_text())
+    summary = loaded["summary"]
     sibling = "24:392039360"
     config = PredictConfig(target="28:980098400", drafts={"generic": sibling, "seqkd": sibling}, report=report)
     start = time.perf_counter()
@@ -120,10 +127,14 @@ def test_predict_answers_for_a_committed_run_without_loading_a_model():
     card, target = reference_card(), shape_weights("28:980098400")
     lookup = summary["ngram"]
     assert result["drafts"]["ngram"]["c"] == 0.0
+    # from the steps the bench made (its rows), as its report and grounded_gpu.py compute it
+    steps = steps_of([row["variants"]["ngram"] for row in loaded["prompts"]])
+    assert steps is not None and steps[1] == sum(row["variants"]["ngram"]["verify_steps"] for row in loaded["prompts"])
     assert result["drafts"]["ngram"]["speedup"] == pytest.approx(
-        lookup["mean_accepted_len"]
-        / verify_ratio_between(card.verify_ratios(target), lookup["mean_drafted_per_step"] + 1)
+        speedup_of_steps(lookup["mean_accepted_len"], *steps, 0.0, card.verify_ratios(target))
     )
+    committed = json.loads((RESULTS / "gpu_grounded.json").read_text())["bench_reports"][report.name]["ngram"]
+    assert result["drafts"]["ngram"]["speedup"] == pytest.approx(committed["grounded"], rel=1e-3)
     for row in result["drafts"].values():
         assert row["speedup_band"][0] <= row["speedup"] <= row["speedup_band"][1]
     assert "predicted" in result["label"]

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 GPU_VERIFY_RATIO = 1.0  # memory-bound decoding: k+1 tokens cost what one does
 MAX_DRAFT_LEN = 8  # the longest k the acceptance meter considers
@@ -49,6 +50,20 @@ def expected_tokens(alpha: float, k: int) -> float:
 def speedup(tau: float, k: int, cost_ratio: float, verify_ratio: float = GPU_VERIFY_RATIO) -> float:
     """S = τ / (r(k+1) + k·c)."""
     return tau / (verify_ratio + k * cost_ratio)
+
+
+def pooled_by_position(rows: list[dict[str, Any]], key: str) -> list[int]:
+    """A per-draft-position count (a bench row's drafted_at or accepted_at) summed over the prompts."""
+    positions = max((len(row[key]) for row in rows), default=0)
+    return [sum(row[key][i] for row in rows if i < len(row[key])) for i in range(positions)]
+
+
+def steps_of(rows: list[dict[str, Any]]) -> tuple[list[int], int] | None:
+    """The steps a bench made for one variant over its prompts' rows: (drafted_at pooled, verify steps), the input
+    of speedup_of_steps; None where the rows do not record them (older results)."""
+    if not rows or any("drafted_at" not in row for row in rows):
+        return None
+    return pooled_by_position(rows, "drafted_at"), sum(row["verify_steps"] for row in rows)
 
 
 def speedup_of_steps(

@@ -12,7 +12,13 @@ from spectune.gpu.card import reference_card
 from spectune.gpu.predict import on_card_of_steps
 from spectune.layout import TARGET
 from spectune.runtime.profile import gguf_weights
-from spectune.speedup import first_sentence_ratio, speedup_of_steps, step_cost_ratio, verify_ratio_at
+from spectune.speedup import (
+    first_sentence_ratio,
+    pooled_by_position,
+    speedup_of_steps,
+    step_cost_ratio,
+    verify_ratio_at,
+)
 
 # What benchmarks/speculative.py and benchmarks/gpu/bench.py keep of each draft's summary.
 SUMMARY_KEYS = (
@@ -216,12 +222,6 @@ def ngram_figures(variants: list[dict[str, Any]]) -> dict[str, Any]:
         "ngram_acceptance": accepted / drafted if drafted else 0.0,
         "ngram_context_share": sum(v["ngram_from_context"] for v in variants) / drafted if drafted else 0.0,
     }
-
-
-def pooled_by_position(variants: list[dict[str, Any]], key: str) -> list[int]:
-    """A per-draft-position count (drafted_at or accepted_at) summed over the prompts."""
-    positions = max((len(v[key]) for v in variants), default=0)
-    return [sum(v[key][i] for v in variants if i < len(v[key])) for i in range(positions)]
 
 
 def versus_llama_cpp(variants: list[dict], target_alone: list[dict], seconds: float) -> dict[str, Any]:

@@ -22,6 +22,7 @@ from spectune.speedup import (
     Q4_K_M_BITS,
     Weights,
     speedup_of_steps,
+    steps_of,
     verify_ratio_at,
     verify_ratio_between,
 )
@@ -114,9 +115,15 @@ def report_acceptance(path: Path) -> dict[str, dict[str, Any]]:
             for row in loaded["drafts"]
             if row.get("alpha_by_position")
         }
-    if isinstance(loaded.get("summary"), dict):  # a bench report
+    if isinstance(loaded.get("summary"), dict):  # a bench report, and the steps it made where it has its rows
+        rows = loaded.get("prompts", [])
         return {
-            name: {"tau": s["mean_accepted_len"], "drafted": s["mean_drafted_per_step"], "bytes_c": s["gpu_cost_ratio"]}
+            name: {
+                "tau": s["mean_accepted_len"],
+                "drafted": s["mean_drafted_per_step"],
+                "bytes_c": s["gpu_cost_ratio"],
+                "steps": steps_of([row["variants"][name] for row in rows if name in row["variants"]]),
+            }
             for name, s in loaded["summary"].items()
         }
     raise SpectuneError(f"{path}: neither an acceptance report (drafts) nor a bench report (summary)")
@@ -200,6 +207,9 @@ def draft_row(
         cost = card.cost_ratio(draft, target) * share if draft else 0.0
         k, tau, _ = best_k(card, acceptance["alphas"], cost, target)
         row = on_card(card, target, draft, share, tau, float(k))
+    elif acceptance.get("steps"):  # the bench's own steps: the figure its report gives
+        row = on_card_of_steps(card, target, draft, share, acceptance["tau"], *acceptance["steps"])
+        row |= {"k": round(acceptance["drafted"])}
     else:
         row = on_card(card, target, draft, share, acceptance["tau"], acceptance["drafted"])
     return row | {"tokens_per_s": alone * row["speedup"]}
