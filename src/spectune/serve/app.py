@@ -304,13 +304,8 @@ class Server:
                     checked = time.monotonic()
                     if await request.is_disconnected():
                         job.cancel.set()
-                cut = (
-                    max((m.end() for m in CLAUSE_END.finditer(pending)), default=0)
-                    if chat.chunking == "sentence"
-                    else len(pending)
-                )
-                piece, pending = pending[:cut], pending[cut:]
-                if piece:
+                pieces, pending = clauses(pending) if chat.chunking == "sentence" else ([pending], "")
+                for piece in filter(None, pieces):
                     yield sse(self.chunk(job, {"content": piece}, None, counted if continuous else None))
             try:
                 generation = await job.result()
@@ -392,6 +387,12 @@ def create_app(config: ServeConfig) -> FastAPI:
 
     app.post("/v1/chat/completions")(server.completions)
     return app
+
+
+def clauses(text: str) -> tuple[list[str], str]:
+    """Each whole clause in `text`, one a chunk as a TTS engine speaks them, and the unfinished rest."""
+    ends = [match.end() for match in CLAUSE_END.finditer(text)]
+    return [text[start:end] for start, end in zip([0, *ends], ends, strict=False)], text[ends[-1] :] if ends else text
 
 
 def sse(payload: dict[str, Any]) -> bytes:
