@@ -7,6 +7,7 @@ import httpx
 import pytest
 from conftest import run_cli, running
 
+from spectune.errors import SpectuneError
 from spectune.runtime.chat import chat_prompt
 from spectune.runtime.decode import DecodeSettings
 from spectune.runtime.llama import LlamaModel
@@ -100,3 +101,12 @@ def test_generate_takes_the_mode(pair, mode, capsys):
 def test_mode_is_spectunes_own_setting(pair):
     with pytest.raises(ValueError, match="mode"):
         ServeConfig(target=pair[0], engine="llama.cpp", mode="fastest")
+
+
+def test_calibration_data_that_cannot_be_read_says_so(tmp_path):
+    with pytest.raises(SpectuneError, match="no such file"):
+        calibration_conversations(tmp_path / "missing.jsonl")
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    with pytest.raises(SpectuneError, match=r"empty\.jsonl"):
+        calibration_conversations(empty)

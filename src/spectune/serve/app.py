@@ -293,8 +293,8 @@ class Server:
             while not ended and (item := await job.queue.get()) is not None:
                 text, counted = item
                 pending += text
-                # What is already queued goes out in one chunk: on a fast model the per-chunk work here (one write,
-                # one read by the caller) was a quarter of a token's time, where llama-server's is C++.
+                # What is already queued (the generation ran ahead of this stream) goes out together: each chunk is
+                # a write here and a read by the caller (see job.HAND_OVER_SECONDS for what that cost).
                 while not job.queue.empty():
                     if (item := job.queue.get_nowait()) is None:
                         ended = True

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from spectune.data.prepare import read_prompts
 from spectune.data.read import assistant_turns
+from spectune.errors import SpectuneError
 from spectune.runtime.llama import LlamaModel
 from spectune.runtime.mode import CALIBRATION_PROMPTS, DecoderSource
 from spectune.runtime.ngram import NgramDrafter, NgramTable, domain_of_texts
@@ -33,7 +34,10 @@ def calibration_conversations(data: Path | None, count: int = len(CALIBRATION_PR
     """What --mode auto measures: the first prompts of a chat dataset, or the built-in phone questions."""
     if data is None:
         return [[{"role": "user", "content": question}] for question in CALIBRATION_PROMPTS]
-    return [prompt.messages for prompt in read_prompts(data)[:count]]
+    conversations = [prompt.messages for prompt in read_prompts(data)[:count]]
+    if not conversations:
+        raise SpectuneError(f"{data}: no prompt to measure --mode auto on (a chat dataset ending in a user turn)")
+    return conversations
 
 
 def decoder_source(config: ServeConfig) -> DecoderSource:
