@@ -88,11 +88,12 @@ class ServeConfig(DecodeSettings, ModeSettings):
         own = sorted(SPECTUNE_ONLY & self.model_fields_set)
         if self.engine == "llama.cpp" and own:
             raise ValueError(f"{', '.join(own)}: settings of spectune's own server, not of --engine llama.cpp")
+        recommended_k = None
         if self.run is not None:  # the run's chosen pair, where the flags do not say otherwise
             chosen = RunLayout(self.run).read_chosen_pair()
             self.target = self.target or Path(chosen["target"])
             self.draft = self.draft or Path(chosen["draft"])
-            self.draft_max = chosen["k"] if self.draft_max == "auto" else self.draft_max
+            recommended_k = chosen["k"]
             eval_file = RunLayout(self.run).eval_file
             self.calibration_data = self.calibration_data or (eval_file if eval_file.is_file() else None)
             if "ngram" not in self.model_fields_set and chosen.get("ngram") is not None:
@@ -109,5 +110,5 @@ class ServeConfig(DecodeSettings, ModeSettings):
                 f"{self.draft} is an EAGLE-3 head: serve it with --engine llama.cpp (spectune's own loop cannot hand "
                 "it the target's layer inputs)"
             )
-        self.draft_max = self.k
+        self.draft_max = self.with_k(recommended_k).k  # auto: the run's measured k, else the default
         return self
