@@ -32,7 +32,7 @@ from spectune.data.prepare import (
     split_dialogues,
     write_prompts,
 )
-from spectune.data.read import assistant_turns, read_dialogues, write_jsonl
+from spectune.data.read import read_dialogues, write_jsonl
 from spectune.data.render import render
 from spectune.engines.handoff import HandoffConfig, hand_off
 from spectune.engines.llama_cpp import build_llama_cpp as build_tools
@@ -57,14 +57,14 @@ from spectune.pipeline import dry_run as plan_run
 from spectune.runtime.build import build_features, build_name, identity_verdict
 from spectune.runtime.chat import chat_prompt
 from spectune.runtime.decode import DecodeSettings
-from spectune.runtime.llama import DEFAULT_N_CTX, LlamaModel
+from spectune.runtime.llama import DEFAULT_N_CTX
 from spectune.runtime.mode import DecoderSource, ModeSettings, choose
-from spectune.runtime.ngram import NgramDrafter, NgramSettings, domain_of_texts
+from spectune.runtime.ngram import NgramDrafter, NgramSettings
 from spectune.serve.client import run_call
 from spectune.serve.config import ServeConfig
 from spectune.serve.engine import serve_llama_cpp
 from spectune.serve.launch import make_uvicorn
-from spectune.serve.slots import calibration_conversations
+from spectune.serve.slots import calibration_conversations, domain_table
 from spectune.story import story
 from spectune.threads import thread_count
 from spectune.train.acceptance import AcceptanceConfig, run_acceptance
@@ -439,9 +439,7 @@ def generate(config: GenerateConfig) -> None:
     ngram = None
     if config.ngram_data is not None:
         settings = NgramSettings()
-        tokenizer = LlamaModel(config.target, n_ctx=64, threads=1)
-        domain = domain_of_texts(settings, assistant_turns(config.ngram_data), tokenizer.tokenize)
-        ngram = functools.partial(NgramDrafter, settings, domain)
+        ngram = functools.partial(NgramDrafter, settings, domain_table(config.target, settings, config.ngram_data))
     source = DecoderSource(config.target, config.draft, ngram, DEFAULT_N_CTX, config.threads, config.exact)
     conversations = calibration_conversations(config.calibration_data)
     _, decoder = choose(config.mode, source, conversations, config.decoding(), lambda line: console.print(line))

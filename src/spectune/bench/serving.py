@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from spectune.bench.summary import totals
 from spectune.layout import TARGET
 from spectune.runtime.mode import faster
 
@@ -14,8 +15,8 @@ FASTEST = "target_fastest"  # the target alone at llama.cpp's fastest settings: 
 
 def decode_speed(figures: list[dict[str, Any]]) -> float:
     """Tokens over decode seconds, summed over the prompts (each prompt's median run)."""
-    seconds = sum(v["decode_seconds"] for v in figures)
-    return sum(v["tokens"] for v in figures) / seconds if seconds else 0.0
+    tokens, seconds = totals(figures)
+    return tokens / seconds if seconds else 0.0
 
 
 def serving_choice(rows: list[dict[str, Any]], variants: list[str]) -> dict[str, Any] | None:

@@ -11,7 +11,7 @@ from spectune.data.read import assistant_turns
 from spectune.errors import SpectuneError
 from spectune.runtime.llama import LlamaModel
 from spectune.runtime.mode import CALIBRATION_PROMPTS, DecoderSource
-from spectune.runtime.ngram import NgramDrafter, NgramTable, domain_of_texts
+from spectune.runtime.ngram import NgramDrafter, NgramSettings, NgramTable, domain_of_texts
 from spectune.runtime.speculative import SpeculativeDecoder
 from spectune.serve.config import ServeConfig
 
@@ -48,12 +48,15 @@ def decoder_source(config: ServeConfig) -> DecoderSource:
 
 
 def ngram_domain(config: ServeConfig) -> NgramTable | None:
-    """The n-gram domain table every slot reads (built once, from the target's own tokenization of the answers)."""
-    if config.ngram is None:
-        return None
-    answers = assistant_turns(config.ngram_data) if config.ngram_data else []
-    tokenizer = LlamaModel(config.target, n_ctx=64, threads=1)  # its weights are mmapped: the slots' pages
+    """The n-gram domain table every slot reads (built once)."""
+    return domain_table(config.target, config.ngram, config.ngram_data) if config.ngram else None
+
+
+def domain_table(target: Path, settings: NgramSettings, data: Path | None) -> NgramTable:
+    """An n-gram domain table from a chat dataset's assistant turns, in the target's own tokens (serve, generate)."""
+    answers = assistant_turns(data) if data else []
+    tokenizer = LlamaModel(target, n_ctx=64, threads=1)  # its weights are mmapped: the slots' pages
     try:
-        return domain_of_texts(config.ngram, answers, tokenizer.tokenize)
+        return domain_of_texts(settings, answers, tokenizer.tokenize)
     finally:
         tokenizer.close()
