@@ -23,9 +23,10 @@ from typing import Any
 
 from pipeline_run import RESULTS, command_line, run_from_command_line, write_result
 
-from spectune.pipeline import Context, RunConfig, acceptance_config, train_inputs
+from spectune.acceptance.stage import run_acceptance
+from spectune.pipeline.config import RunConfig
+from spectune.pipeline.stages import Context, acceptance_config, train_inputs
 from spectune.speedup import GPU_PROFILE
-from spectune.train.acceptance import run_acceptance
 from spectune.train.draft import DraftConfig, train_draft
 
 POSITIONS = 4  # α by draft position shown in the table

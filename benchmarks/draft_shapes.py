@@ -26,16 +26,16 @@ from typing import Any
 
 from pipeline_run import RESULTS
 
+from spectune.acceptance.stage import HERE, AcceptanceConfig, run_acceptance
 from spectune.atomic import atomic_path
 from spectune.config import validate
 from spectune.export.gguf import export_model
 from spectune.gpu.card import GROUNDED_PROFILE
 from spectune.models.derive import derive_draft
 from spectune.models.resolve import model_folder
-from spectune.pipeline import DERIVED_LAYERS, RunConfig, load_run_config
+from spectune.pipeline.config import DERIVED_LAYERS, RunConfig, load_run_config
 from spectune.runtime.profile import measure_profile
 from spectune.speedup import GPU_PROFILE
-from spectune.train.acceptance import HERE, AcceptanceConfig, run_acceptance
 from spectune.train.draft import TARGET_ANSWERS, DraftConfig, DraftSettings, train_draft
 
 

@@ -28,7 +28,8 @@ from spectune.data.prepare import read_prompts
 from spectune.engines.llama_cpp import SPECULATIVE_TOOL, built_tool
 from spectune.gpu.card import GROUNDED_PROFILE
 from spectune.layout import CONTROL_DRAFT, TARGET
-from spectune.pipeline import Context, Run, stages
+from spectune.pipeline.run import Run
+from spectune.pipeline.stages import Context, stages
 from spectune.runtime.chat import chat_prompt
 from spectune.runtime.llama import LlamaModel
 from spectune.speedup import GPU_PROFILE

@@ -31,7 +31,9 @@ from spectune.data.prepare import read_prompts
 from spectune.layout import RunLayout
 from spectune.runtime.build import build_name
 from spectune.runtime.chat import CLAUSE_END, chat_tokens
+from spectune.runtime.chosen import ChosenPair
 from spectune.runtime.decode import DecodeSettings
+from spectune.runtime.draft_model import DraftModel
 from spectune.runtime.llama import LlamaModel
 from spectune.runtime.speculative import SpeculativeDecoder
 
@@ -87,7 +89,7 @@ def first_token_cost(target: Path, draft: Path, k: int, prompts: list, threads: 
     loops = {
         "target alone": SpeculativeDecoder(target_model),
         "first token drafted": FirstTokenDrafted(target_model, draft_model),
-        "first token alone": SpeculativeDecoder(target_model, draft_model),
+        "first token alone": SpeculativeDecoder(target_model, [DraftModel(draft_model, target_model)]),
     }
     totals = {name: {"tokens": 0, "decode_seconds": 0.0, "steps": 0, "identical": 0} for name in loops}
     for prompt in prompts:
@@ -119,14 +121,14 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--loop-n", type=int, default=200, help="Prompts for the throughput comparison.")
     args = parser.parse_args()
-    chosen = RunLayout(args.run).read_chosen_pair()
-    target, draft = Path(chosen["target"]), Path(chosen["draft"])
+    chosen = ChosenPair.read(RunLayout(args.run).chosen_pair)
+    target, draft = chosen.target, chosen.draft
     prompts = read_prompts(args.data)[: args.n]
     rows: dict[str, list[dict]] = {name: [] for name in VARIANTS}
     with contextlib.ExitStack() as stack:  # every server up at once, idle but for the one being asked
         clients = {}
         for name, (engine, drafted, mode) in VARIANTS.items():
-            own = {"draft_max": chosen["k"]} | ({"first_words": mode} if mode else {})
+            own = {"draft_max": chosen.k} | ({"first_words": mode} if mode else {})
             settings = argparse.Namespace(slots=1, threads=args.threads)
             url = stack.enter_context(serving(engine, target, draft if drafted else None, settings, **own))
             # A new connection per request, for every variant: llama-server closes a connection after some streamed
@@ -139,11 +141,11 @@ def main() -> None:
                 rows[name].append(call(client, prompt.messages, args.max_tokens, f"caller-{index}"))
     for name, variant in rows.items():
         print(name, summarize(variant))
-    cost = first_token_cost(target, draft, chosen["k"], read_prompts(args.data)[: args.loop_n], args.threads)
+    cost = first_token_cost(target, draft, chosen.k, read_prompts(args.data)[: args.loop_n], args.threads)
     alone = [row["answer"] for row in rows["spectune, target alone"]]
     report = {
         "target": str(target.name),
-        "draft": f"{chosen['draft_name']} ({draft.name}), k = {chosen['k']}",
+        "draft": f"{chosen.draft_name} ({draft.name}), k = {chosen.k}",
         "prompts": len(prompts),
         "max_tokens": args.max_tokens,
         "machine": f"{platform.machine()}, {args.threads or 'all'} threads",

@@ -35,9 +35,9 @@ from spectune.gpu.predict import on_card, on_card_of_steps
 from spectune.models.imported import fetch
 from spectune.models.tokenizer import save_tokenizer
 from spectune.models.world import RECIPES, build_tokenizer, llama_config
-from spectune.pipeline import DERIVED_LAYERS
-from spectune.runtime.ngram import NGRAM
+from spectune.pipeline.config import DERIVED_LAYERS
 from spectune.runtime.profile import gguf_weights
+from spectune.runtime.registry import Variant
 from spectune.speedup import Weights, steps_of, verify_ratio_between
 from spectune.threads import configure_torch_threads
 
@@ -138,10 +138,10 @@ def predictions(card: GpuCard, result: dict, target: Weights, pair_draft: str | 
     else:  # an EAGLE-3 bench row: the offline meter's τ at k
         tau, drafted, bytes_c, committed = row["tau"], row["k"], row["cost_ratio_gpu_bytes"], row["predicted_gpu"]
     # The draft model's bytes and layers; an n-gram proposal costs nothing, so c scales with the model's share
-    model = name.split("+")[-1]  # ngram+seqkd: the seqkd draft behind the lookup
-    model_c = 0.0 if model == NGRAM else result["drafts"][model].get("gpu_cost_ratio", bytes_c)
+    model = Variant.parse(name).draft  # ngram+seqkd: the seqkd draft behind the lookup
+    model_c = result["drafts"][model].get("gpu_cost_ratio", bytes_c) if model else 0.0
     share = bytes_c / model_c if model_c else 0.0
-    layers = 0 if model == NGRAM else model_layers(result, pair_draft, name)
+    layers = model_layers(result, pair_draft, name) if model else 0
     return {
         "tau": tau,
         "mean_drafted": drafted,
@@ -175,10 +175,10 @@ def bench_report_predictions(card: GpuCard, file: str, target: Weights) -> dict[
     summary = report["summary"]
     out = {}
     for name, s in summary.items():
-        model = name.split("+")[-1]
-        model_c = 0.0 if model == NGRAM else summary[model]["gpu_cost_ratio"]
+        model = Variant.parse(name).draft
+        model_c = summary[model]["gpu_cost_ratio"] if model else 0.0
         share = s["gpu_cost_ratio"] / model_c if model_c else 0.0
-        layers = 0 if model == NGRAM else BENCH_REPORTS[file][model]
+        layers = BENCH_REPORTS[file][model] if model else 0
         tau, drafted, steps = (
             s["mean_accepted_len"],
             s["mean_drafted_per_step"],

@@ -28,6 +28,7 @@ from spectune.data.read import read_dialogues
 from spectune.runtime.build import build_name, identity_verdict, matrix_types
 from spectune.runtime.chat import chat_tokens
 from spectune.runtime.decode import DecodeSettings
+from spectune.runtime.draft_model import DraftModel
 from spectune.runtime.llama import LlamaModel
 from spectune.runtime.profile import FILLER, measure_profile
 from spectune.runtime.speculative import SpeculativeDecoder
@@ -38,7 +39,7 @@ PREFILL = 128
 
 def answers(target: LlamaModel, draft: LlamaModel, prompts: list, max_tokens: int) -> dict:
     """Identical answers (target alone vs with the draft) and the drafts' acceptance over the prompts."""
-    plain, speculative = SpeculativeDecoder(target), SpeculativeDecoder(target, draft)
+    plain, speculative = SpeculativeDecoder(target), SpeculativeDecoder(target, [DraftModel(draft, target)])
     config = DecodeSettings(max_tokens=max_tokens, draft_max=DRAFT_MAX)
     identical = drafted = accepted = 0
     for messages in prompts:

@@ -8,7 +8,8 @@ from pathlib import Path
 from typing import Any
 
 from spectune.config import validate
-from spectune.pipeline import RunConfig, demo_config, load_run_config, run_pipeline
+from spectune.pipeline.config import RunConfig, demo_config, load_run_config
+from spectune.pipeline.run import run_pipeline
 
 RESULTS = Path(__file__).parent / "results"
 

@@ -1,14 +1,19 @@
-"""The README's results tables (the headline pair's, every pair's, the EAGLE-3 heads'), rendered from the committed
-results (benchmarks/results/speculative_*.json, and eagle3_*.json for the EAGLE-3 heads, each with its prediction on
-the reference card and its band from gpu_grounded.json), so they cannot drift: `tests/test_docs.py` checks that the
-README holds exactly these tables.
+"""The results tables, rendered from the committed results (benchmarks/results/speculative_*.json, and eagle3_*.json
+for the EAGLE-3 heads, each with its prediction on the reference card and its band from gpu_grounded.json), so they
+cannot drift and a new bench edits no prose: the README holds the headline table only, docs/results.md every pair's
+and the heads', each between `<!-- table: NAME -->` and `<!-- end table -->`. `tests/test_docs.py` checks that each
+block holds exactly what this renders.
 
-Usage: python benchmarks/readme_table.py   (prints the table)
+Usage: python benchmarks/readme_table.py           (prints the tables)
+       python benchmarks/readme_table.py --write   (rewrites the blocks in README.md and docs/results.md)
 """
 
 from __future__ import annotations
 
 import json
+import re
+import sys
+from collections.abc import Callable
 from pathlib import Path
 
 RESULTS = Path(__file__).parent / "results"
@@ -153,9 +158,36 @@ def heads_table() -> str:
     return "\n".join(lines)
 
 
+ROOT = Path(__file__).parent.parent
+# Each page's generated blocks: the table's name in its markers, and what renders it
+BLOCKS: dict[str, dict[str, Callable[[], str]]] = {
+    "README.md": {"headline": headline_table},
+    "docs/results.md": {"pairs": table, "heads": heads_table},
+}
+
+
+def block(name: str) -> re.Pattern[str]:
+    return re.compile(rf"(<!-- table: {name} -->\n)(.*?)\n?<!-- end table -->", re.DOTALL)
+
+
+def blocks_of(text: str, name: str) -> list[str]:
+    """What a page holds between the markers of table `name`."""
+    return [match.group(2) for match in block(name).finditer(text)]
+
+
+def write() -> None:
+    for page, tables in BLOCKS.items():
+        path = ROOT / page
+        text = path.read_text()
+        for name, render in tables.items():
+            if len(blocks_of(text, name)) != 1:
+                raise SystemExit(f"{page}: expected one <!-- table: {name} --> block")
+            text = block(name).sub(lambda match, render=render: f"{match.group(1)}{render()}\n<!-- end table -->", text)
+        path.write_text(text)
+
+
 if __name__ == "__main__":
-    print(headline_table())
-    print()
-    print(table())
-    print()
-    print(heads_table())
+    if "--write" in sys.argv[1:]:
+        write()
+    else:
+        print("\n\n".join(render() for tables in BLOCKS.values() for render in tables.values()))

@@ -21,7 +21,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from spectune.data.read import read_dialogues
 from spectune.export.gguf import export_model
-from spectune.pipeline import load_run_config
+from spectune.pipeline.config import load_run_config
 from spectune.runtime.chat import chat_tokens
 from spectune.runtime.decode import DecodeSettings
 from spectune.runtime.llama import LlamaModel

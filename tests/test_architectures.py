@@ -13,6 +13,7 @@ from spectune.export.pair import fidelity
 from spectune.models.load import check_model_dir, load_tokenizer
 from spectune.runtime.chat import chat_prompt
 from spectune.runtime.decode import DecodeSettings
+from spectune.runtime.draft_model import DraftModel
 from spectune.runtime.llama import LlamaModel
 from spectune.runtime.speculative import SpeculativeDecoder
 from spectune.train.target import FinetuneConfig, finetune
@@ -65,7 +66,9 @@ def test_finetune_export_and_decode(model_dir, demo_data, tmp_path):
     ids = model.tokenize(chat_prompt(model, dialogues[0].messages[:1]))
     config = DecodeSettings(max_tokens=12, draft_max=4)
     plain = SpeculativeDecoder(model).generate(ids, config)
-    speculative = SpeculativeDecoder(model, LlamaModel(gguf, n_ctx=512, threads=1)).generate(ids, config)
+    speculative = SpeculativeDecoder(model, [DraftModel(LlamaModel(gguf, n_ctx=512, threads=1), model)]).generate(
+        ids, config
+    )
     stats = speculative.stats
     assert (
         speculative.tokens == plain.tokens and stats.accepted == stats.drafted
@@ -75,7 +78,9 @@ def test_finetune_export_and_decode(model_dir, demo_data, tmp_path):
     # models with tied embeddings all echo their input token and would agree): every rejection is a verification
     # whose later rows are thrown away, the case where batched logits must equal one-token ones.
     rival_dir = random_model(tokenizer, tmp_path / "rival", "qwen2", seed=1, **MODEL_SHAPE["qwen2"])
-    rival = SpeculativeDecoder(model, LlamaModel(convert(rival_dir, tmp_path / "rival.F32.gguf", "F32"), threads=1))
+    rival = SpeculativeDecoder(
+        model, [DraftModel(LlamaModel(convert(rival_dir, tmp_path / "rival.F32.gguf", "F32"), threads=1), model)]
+    )
     drafted = accepted = 0
     for dialogue in read_dialogues(demo_data).dialogues[:12]:
         ids = model.tokenize(chat_prompt(model, dialogue.messages[:1]))

@@ -21,6 +21,7 @@ from spectune.bench.peer import generated_text, run_peer
 from spectune.engines.llama_cpp import defaults_env
 from spectune.engines.llama_server import server_env, speculation_flags
 from spectune.errors import SpectuneError
+from spectune.runtime.ngram import NGRAM
 
 REAL_TAIL = """0.00.060.465 I encoded    3 tokens in    0.001 seconds, speed: 5976.096 t/s
 0.00.060.466 I decoded   37 tokens in    0.016 seconds, speed: 2303.861 t/s
@@ -73,17 +74,19 @@ def test_the_tools_answer_is_cut_exactly_from_its_output():
 
 def test_llama_cpps_ngram_speculator_goes_in_front_of_the_draft_or_alone():
     """The flags both llama.cpp tools get: ngram-simple sized like spectune's lookup, before draft-simple."""
-    both = speculation_flags(Path("d.gguf"), 4, 2, ngram_n=2)
+    both = speculation_flags(Path("d.gguf"), 4, 2, (NGRAM,), ngram_n=2)
     assert both[both.index("--spec-type") + 1] == "ngram-simple,draft-simple"
     assert both[both.index("--spec-ngram-simple-size-n") + 1] == "2"
     assert both[both.index("--spec-ngram-simple-size-m") + 1] == "4" and "-md" in both
-    alone = speculation_flags(None, 4, 2, ngram_n=2)
+    alone = speculation_flags(None, 4, 2, (NGRAM,), ngram_n=2)
     assert alone[alone.index("--spec-type") + 1] == "ngram-simple" and "-md" not in alone and "-td" not in alone
     assert speculation_flags(None, 4, 2) == []  # the target alone
-    hashed = speculation_flags(Path("d.gguf"), 2, 2, ngram_n=2, ngram_type="ngram-mod")
+    hashed = speculation_flags(Path("d.gguf"), 2, 2, (NGRAM,), ngram_n=2, ngram_type="ngram-mod")
     assert hashed[hashed.index("--spec-type") + 1] == "ngram-mod,draft-simple"
     assert hashed[hashed.index("--spec-ngram-mod-n-max") + 1] == "2"  # a short answer's proposals, not 48 tokens
     assert hashed[hashed.index("--spec-ngram-mod-n-min") + 1] == "1" and "--spec-ngram-simple-size-n" not in hashed
+    with pytest.raises(SpectuneError, match="has no speculator for repeat"):
+        speculation_flags(None, 4, 2, ("repeat",))  # one only spectune's loop runs is not handed over silently
 
 
 # x86-64 Linux system call numbers: arch_prctl, getpid

@@ -72,3 +72,20 @@ def test_k_is_defined_once_and_no_answer_length_has_a_default_of_its_own():
         value = node.value
         default = value.args[0] if isinstance(value, ast.Call) and value.args else value
         assert ast.unparse(default) in ("DEFAULT_MAX_TOKENS", "None"), f"{file}: max_tokens = {ast.unparse(default)}"
+
+
+def verbs(app, prefix: str = "") -> dict[str, object]:
+    """Every command of a Typer app and of the apps added to it (unnamed ones add their verbs to the root)."""
+    found = {f"{prefix}{command.name}": command.callback for command in app.registered_commands}
+    for group in app.registered_groups:
+        found |= verbs(group.typer_instance, f"{prefix}{group.name} " if group.name else prefix)
+    return found
+
+
+def test_every_verbs_flags_are_generated_from_its_settings():
+    from spectune.cli import app
+
+    commands = verbs(app)
+    assert len(commands) >= 28
+    hand_written = sorted(name for name, callback in commands.items() if not hasattr(callback, "settings"))
+    assert hand_written == []

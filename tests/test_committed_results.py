@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
+
+from spectune.bench.summary import Pooled, measured_figures, predicted_here
+from spectune.runtime.registry import Variant
 
 RESULTS = Path(__file__).parent.parent / "benchmarks" / "results"
 CURRENT = sorted(RESULTS.glob("speculative_*.json"))
@@ -28,3 +32,30 @@ def test_no_draft_delays_the_first_token(path):
             if figures.get(key) and figures.get(f"target_{key}"):
                 ratio = figures[key] / figures[f"target_{key}"]
                 assert ratio <= TTFT_BAR, f"{path.name} {name}: {key} {ratio:.3f}x the target alone's"
+
+
+def close(fresh: object, committed: object) -> bool:
+    if isinstance(fresh, list):
+        return isinstance(committed, list) and len(fresh) == len(committed) and all(map(close, fresh, committed))
+    if isinstance(fresh, float):
+        return math.isclose(fresh, committed, rel_tol=1e-9, abs_tol=1e-12)
+    return fresh == committed
+
+
+@pytest.mark.parametrize("path", CURRENT, ids=lambda path: path.name)
+def test_every_summary_is_what_its_rows_say_with_todays_code(path):
+    """The bench's summary arithmetic, rerun on the committed per-prompt rows, gives every committed figure it
+    covers: what the rows measured, and the prediction here where the summary kept the profile it used."""
+    result = json.loads(path.read_text())
+    checked = 0
+    for name, committed in drafts_of(result).items():
+        has_model = Variant.parse(name).draft is not None
+        fresh = measured_figures(name, result["prompts"], has_model)
+        if "profile" in committed:
+            pooled = Pooled.of([row["variants"][name] for row in result["prompts"]], has_model)
+            fresh |= predicted_here(pooled, committed["profile"])
+        for key, value in fresh.items():
+            if committed.get(key) is not None:
+                assert close(value, committed[key]), f"{name} {key}: {value} now, {committed[key]} committed"
+                checked += 1
+    assert checked >= 100  # the rows really were read: a dozen figures and more per variant

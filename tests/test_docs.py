@@ -45,12 +45,17 @@ def test_every_relative_link_leads_to_a_file_and_heading_that_exist(page):
             assert anchor in anchors(linked), f"{page.name}: no heading #{anchor} in {linked.name}"
 
 
-def test_the_readme_table_is_the_one_the_committed_results_render():
+def test_every_results_table_is_the_one_the_committed_results_render():
+    """The README's one table and docs/results.md's, each block exactly what benchmarks/readme_table.py renders."""
     spec = importlib.util.spec_from_file_location("readme_table", ROOT / "benchmarks" / "readme_table.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    readme = (ROOT / "README.md").read_text()
-    assert module.headline_table() in readme and module.table() in readme and module.heads_table() in readme
+    for page, tables in module.BLOCKS.items():
+        text = (ROOT / page).read_text()
+        for name, render in tables.items():
+            assert module.blocks_of(text, name) == [render()], f"{page}: table {name}: run readme_table.py --write"
+    readme_tables = [line for line in (ROOT / "README.md").read_text().splitlines() if line.startswith("|---")]
+    assert len(readme_tables) == 2  # the headline, and the stages' verbs
 
 
 def test_the_code_cites_pages_that_exist():

@@ -11,6 +11,8 @@ import httpx
 import pytest
 from test_serve import engine_answer
 
+from spectune.acceptance.meter import simulate_tau
+from spectune.acceptance.stage import AcceptanceConfig, load_models, run_acceptance
 from spectune.bench.peer import llama_baseline, run_peer
 from spectune.data.prepare import read_prompts
 from spectune.engines.handoff import HandoffConfig, hand_off
@@ -22,9 +24,9 @@ from spectune.export.pair import ExportPairConfig, export_pair
 from spectune.runtime.llama import LlamaModel, is_eagle3_gguf
 from spectune.serve.config import ServeConfig
 from spectune.serve.engine import start_llama_server
-from spectune.train.acceptance import AcceptanceConfig, load_models, run_acceptance, simulate_tau
 from spectune.train.common import greedy_answer
-from spectune.train.eagle3 import Eagle3Config, aux_layers, chain_matches, check_target, train_eagle3
+from spectune.train.eagle3 import Eagle3Config, check_target, train_eagle3
+from spectune.train.eagle3_head import aux_layers, chain_matches
 
 PROMPTS = 4
 MAX_TOKENS = 24

@@ -4,14 +4,17 @@ from __future__ import annotations
 
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 from conftest import run_cli, swap_two_tokens
 
 from spectune.data.read import read_dialogues
+from spectune.engines.llama_cpp import build_llama_cpp
 from spectune.errors import SpectuneError
 from spectune.export.gguf import convert, export_model
 from spectune.export.pair import TOKENIZER_DIALOGUES, ExportPairConfig, export_pair, fidelity, write_pair
+from spectune.models.load import load_tokenizer
 from spectune.models.tokenizer_check import STRESS_STRINGS
 from spectune.runtime.llama import LlamaModel
 from spectune.runtime.ngram import NgramSettings
@@ -140,3 +143,40 @@ def test_bad_inputs(sft_draft, tmp_path, capsys):
         export_model(alien, tmp_path / "x.gguf", "F16")
     assert not (tmp_path / "x.gguf").exists()
     assert run_cli("export", "--model", str(tmp_path / "absent"), "--out", str(tmp_path / "y.gguf")) == 2
+
+
+def test_an_importance_matrix_from_the_task_weights_the_quantization(tuned_target, demo_data, tmp_path):
+    """Quantized with a matrix of the model on the task's dialogues: other rounding than plain, a working GGUF as
+    faithful to the HF weights, and the matrix computed once per model and text."""
+    build_llama_cpp()  # llama-imatrix and llama-quantize (cached)
+    tokenizer = load_tokenizer(tuned_target)
+    dialogues = read_dialogues(demo_data).dialogues
+    text = "\n".join(tokenizer.apply_chat_template(d.messages, tokenize=False) for d in dialogues[:200])
+    report: dict = {}
+    weighted = export_model(tuned_target, tmp_path / "w.gguf", "Q4_K_M", calibration=text, report=report)
+    plain = export_model(tuned_target, tmp_path / "p.gguf", "Q4_K_M")
+    assert Path(report["imatrix"]["file"]).is_file() and weighted.read_bytes() != plain.read_bytes()
+    held_out = [tokenizer.apply_chat_template(d.messages, tokenize=False) for d in dialogues[-6:]]
+    assert fidelity(tuned_target, weighted, held_out)["top1_agreement"] > 0.9
+    again: dict = {}
+    export_model(tuned_target, tmp_path / "w2.gguf", "Q4_K_M", calibration=text, report=again)
+    assert again["imatrix"] == report["imatrix"] | {"seconds": 0.0}  # from the cache
+    assert (tmp_path / "w2.gguf").read_bytes() == weighted.read_bytes()
+    with pytest.raises(SpectuneError, match="no calibration text"):
+        export_model(tuned_target, tmp_path / "e.gguf", "Q4_K_M", calibration="  ")
+    assert not (tmp_path / "e.gguf").exists()
+
+
+def test_the_pair_export_quantizes_with_each_models_matrix_where_training_dialogues_are_given(
+    tuned_target, sft_draft, demo_data, tmp_path
+):
+    build_llama_cpp()
+    config = ExportPairConfig(
+        target=tuned_target, drafts={"draft": sft_draft}, out=tmp_path, data=demo_data, calibration_data=demo_data
+    )
+    report = export_pair(config)
+    matrices = {role: report["models"][role]["imatrix"]["file"] for role in ("target", "draft")}
+    assert len(set(matrices.values())) == 2  # each model its own
+    assert report["imatrix"]["used"] is True
+    off = export_pair(config.model_copy(update={"imatrix": "off", "out": tmp_path / "off"}))
+    assert "imatrix" not in off["models"]["target"] and off["imatrix"] == {"used": False, "why": "imatrix off"}

@@ -15,6 +15,7 @@ from spectune.models.load import load_tokenizer
 from spectune.runtime.build import identity_verdict, llamafile_compiled, matrix_types
 from spectune.runtime.chat import chat_prompt
 from spectune.runtime.decode import DecodeSettings
+from spectune.runtime.draft_model import DraftModel
 from spectune.runtime.llama import LlamaModel
 from spectune.runtime.speculative import SpeculativeDecoder
 
@@ -75,7 +76,7 @@ def test_batched_logits_equal_one_token_logits_bit_for_bit(odd_ggufs, quant):
 def test_a_rejecting_draft_gives_the_target_s_own_answers(odd_ggufs, demo_data, quant):
     target = LlamaModel(odd_ggufs[quant]["target"], n_ctx=512, threads=1, exact=True)
     draft = LlamaModel(odd_ggufs[quant]["draft"], n_ctx=512, threads=1, exact=True)
-    plain, speculative = SpeculativeDecoder(target), SpeculativeDecoder(target, draft)
+    plain, speculative = SpeculativeDecoder(target), SpeculativeDecoder(target, [DraftModel(draft, target)])
     config = DecodeSettings(max_tokens=64, draft_max=3)
     drafted = accepted = 0
     for prompt in extract_prompts(read_dialogues(demo_data).dialogues, 12, seed=11):

@@ -19,7 +19,7 @@ from spectune.serve.slots import calibration_conversations
 
 def source_of(pair, draft: bool = True) -> DecoderSource:
     target, draft_path = pair
-    return DecoderSource(target, draft_path if draft else None, None, 512, 1, True)
+    return DecoderSource(target, draft_path if draft else None, 512, 1, True)
 
 
 def test_the_rule_speculates_only_where_it_is_faster():
@@ -31,7 +31,7 @@ def test_the_rule_speculates_only_where_it_is_faster():
 def test_without_a_draft_the_target_alone_runs_at_llama_cpps_fastest_settings(pair):
     choice, decoder = choose("auto", source_of(pair, draft=False), [], DecodeSettings())
     assert choice.mode == "fastest" and choice.speculative_tokens_per_second is None
-    assert decoder.drafter is None and decoder.target.exact is False
+    assert not decoder.speculators and decoder.target.exact is False
     forced, decoder = choose("speculative", source_of(pair, draft=False), [], DecodeSettings())
     assert forced.mode == "fastest"  # nothing to speculate with: the flag cannot ask for a draft that is not there
     assert decoder.target.exact is False
@@ -40,9 +40,9 @@ def test_without_a_draft_the_target_alone_runs_at_llama_cpps_fastest_settings(pa
 def test_forced_modes_load_what_they_say(pair):
     choice, decoder = choose("speculative", source_of(pair), [], DecodeSettings())
     assert choice.mode == "speculative" and choice.reason == "--mode speculative"
-    assert decoder.target.exact is True and decoder.drafter is not None and decoder.drafter.model is not None
+    assert decoder.target.exact is True and len(decoder.speculators.models) == 1
     choice, decoder = choose("fastest", source_of(pair), [], DecodeSettings())
-    assert choice.mode == "fastest" and decoder.target.exact is False and decoder.drafter is None
+    assert choice.mode == "fastest" and decoder.target.exact is False and not decoder.speculators
 
 
 def test_auto_measures_both_and_keeps_the_faster(pair, demo_data):
@@ -51,7 +51,7 @@ def test_auto_measures_both_and_keeps_the_faster(pair, demo_data):
     choice, decoder = choose("auto", source_of(pair), conversations, DecodeSettings())
     assert choice.speculative_tokens_per_second > 0 and choice.fastest_tokens_per_second > 0
     assert choice.mode == faster(choice.speculative_tokens_per_second, choice.fastest_tokens_per_second)
-    assert (decoder.drafter is not None) == (choice.mode == "speculative")
+    assert bool(decoder.speculators) == (choice.mode == "speculative")
     assert decoder.target.exact == (choice.mode == "speculative")
     assert "measured here on 2 prompts" in choice.reason
 

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 
+from spectune.acceptance.stage import read_profile
 from spectune.errors import SpectuneError
 from spectune.export.gguf import convert
 from spectune.export.profile import profile_pair
@@ -19,7 +20,6 @@ from spectune.models.load import load_tokenizer
 from spectune.models.tokenizer_check import tokenizer_strings
 from spectune.models.world import RECIPES, Shape, build_pair, read_manifest
 from spectune.runtime.llama import LlamaModel
-from spectune.train.acceptance import read_profile
 
 
 @pytest.fixture(scope="session")

@@ -6,17 +6,20 @@ import numpy as np
 import pytest
 from conftest import running
 
+from spectune.acceptance.meter import lookup_of
 from spectune.data.prepare import extract_prompts
 from spectune.data.read import read_dialogues
 from spectune.export.gguf import export_model
 from spectune.runtime.chat import chat_prompt
 from spectune.runtime.decode import DecodeSettings
+from spectune.runtime.draft_model import DRAFT
 from spectune.runtime.llama import LlamaModel
-from spectune.runtime.ngram import NgramDrafter, NgramSettings, NgramTable, domain_table
+from spectune.runtime.ngram import NGRAM, NgramDrafter, NgramSettings, NgramSetup, NgramTable, domain_table
+from spectune.runtime.registry import Variant
 from spectune.runtime.sampling import StochasticSampler
 from spectune.runtime.speculative import SpeculativeDecoder
+from spectune.runtime.stats import SourceCounts
 from spectune.serve.config import ServeConfig
-from spectune.train.acceptance import lookup_of
 
 
 def never_ends(token: int) -> bool:
@@ -146,9 +149,11 @@ def test_ngram_alone_and_in_front_of_the_draft_give_the_targets_own_answers(q8_p
     answers = [target.tokenize(turn["content"], special=False) for d in dialogues[:200] for turn in d.messages[1::2]]
     plain = SpeculativeDecoder(target)
     domain = domain_table(NgramSettings(), answers)
-    looked_up = SpeculativeDecoder(target, ngram=NgramDrafter(NgramSettings(), domain))
-    combined = SpeculativeDecoder(target, draft, NgramDrafter(NgramSettings(), domain))
-    cautious = SpeculativeDecoder(target, ngram=NgramDrafter(NgramSettings(min_chance=0.5), domain))
+    setup = {NGRAM: NgramSetup(NgramSettings(), domain)}
+    looked_up = SpeculativeDecoder(target, Variant((NGRAM,)).speculators(target, None, setup))
+    combined = SpeculativeDecoder(target, Variant((NGRAM,), "sft").speculators(target, draft, setup))
+    cautious_setup = {NGRAM: NgramSetup(NgramSettings(min_chance=0.5), domain)}
+    cautious = SpeculativeDecoder(target, Variant((NGRAM,)).speculators(target, None, cautious_setup))
     config = DecodeSettings(max_tokens=40, draft_max=4)
     totals = {"ngram": [0, 0, 0], "combined": [0, 0, 0], "caught_up": [0, 0], "cautious": [0, 0]}
     for prompt in extract_prompts(dialogues, 12, seed=3):
@@ -160,19 +165,22 @@ def test_ngram_alone_and_in_front_of_the_draft_give_the_targets_own_answers(q8_p
         assert sure.tokens == expected, prompt.messages[-1]
         totals["cautious"][0] += sure.stats.accepted
         totals["cautious"][1] += sure.stats.drafted
-        assert alone.stats.ngram_drafted == alone.stats.drafted  # no draft model: every proposal was looked up
-        assert both.stats.ngram_accepted <= both.stats.accepted and both.stats.ngram_drafted <= both.stats.drafted
-        totals["ngram"][0] += alone.stats.ngram_accepted
-        totals["ngram"][1] += alone.stats.ngram_steps
-        totals["ngram"][2] += alone.stats.ngram_drafted
-        totals["combined"][0] += both.stats.ngram_steps
-        totals["combined"][1] += both.stats.verify_steps - both.stats.ngram_steps
-        totals["combined"][2] += both.stats.accepted - both.stats.ngram_accepted
+        lookup, both_lookup = (generation.stats.by_source.get(NGRAM, SourceCounts()) for generation in (alone, both))
+        assert lookup.drafted == alone.stats.drafted  # no draft model: every proposal was looked up
+        assert both_lookup.accepted <= both.stats.accepted and both_lookup.drafted <= both.stats.drafted
+        model = both.stats.by_source.get(DRAFT, SourceCounts())
+        assert both_lookup.drafted + model.drafted == both.stats.drafted  # every proposal is counted to its source
+        totals["ngram"][0] += lookup.accepted
+        totals["ngram"][1] += lookup.steps
+        totals["ngram"][2] += lookup.drafted
+        totals["combined"][0] += both_lookup.steps
+        totals["combined"][1] += both.stats.verify_steps - both_lookup.steps
+        totals["combined"][2] += both.stats.accepted - both_lookup.accepted
         # the draft model reads what was looked up before it proposes again: batches of 2 tokens or more, recorded
         assert alone.stats.draft_catch_ups == [] and all(n > 1 for n in both.stats.draft_catch_ups)
-        assert len(both.stats.draft_catch_ups) <= both.stats.verify_steps - both.stats.ngram_steps
+        assert len(both.stats.draft_catch_ups) <= both.stats.verify_steps - both_lookup.steps
         totals["caught_up"][0] += sum(both.stats.draft_catch_ups)
-        totals["caught_up"][1] += both.stats.ngram_accepted
+        totals["caught_up"][1] += both_lookup.accepted
     assert totals["ngram"][0] > 0 and totals["ngram"][1] > 0  # the demo's phrasing repeats: lookups get accepted
     assert totals["combined"][0] > 0 and totals["combined"][1] > 0  # both sources proposed
     assert totals["combined"][2] > 0  # and the draft model's proposals were still accepted where it proposed
@@ -207,7 +215,8 @@ def test_a_server_with_ngram_lookup_answers_as_the_target_alone(pair, messages, 
         reply = client.chat.completions.create(model="spectune", messages=messages, max_tokens=24, temperature=0)
         stats = reply.model_extra["spectune"]
     assert reply.choices[0].message.content == expected.text
-    assert 0 < stats["ngram_drafted"] <= stats["drafted"] and stats["ngram_accepted"] <= stats["accepted"]
+    lookup = stats["by_source"][NGRAM]
+    assert 0 < lookup["drafted"] <= stats["drafted"] and lookup["accepted"] <= stats["accepted"]
 
 
 def test_the_domain_answers_keep_only_turns_the_target_answered():

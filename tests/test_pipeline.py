@@ -13,26 +13,23 @@ import yaml
 from conftest import run_cli
 
 from spectune.bench.config import BenchConfig
-from spectune.cli import print_story
+from spectune.cli.run import print_story
 from spectune.config import read_yaml, validate
 from spectune.data.read import read_dialogues, write_jsonl
 from spectune.errors import SpectuneError
-from spectune.pipeline import (
+from spectune.pipeline.config import (
     DEMO_SETTINGS,
     DRAFT_FIELDS,
     TARGET_FIELDS,
-    Context,
     DataSettings,
     DraftsSettings,
     ModelsSettings,
     RunConfig,
-    base_draft_stage,
-    domain_data,
     load_run_config,
-    path_hash,
-    run_pipeline,
-    stages,
 )
+from spectune.pipeline.run import run_pipeline
+from spectune.pipeline.stages import Context, base_draft_stage, domain_data, path_hash, stages
+from spectune.runtime.chosen import ChosenPair
 from spectune.serve.config import ServeConfig
 from spectune.train.draft import TARGET_ANSWERS
 
@@ -58,7 +55,7 @@ def micro_config(run_dir, models_dir) -> RunConfig:
 
 def test_pipeline_runs_skips_and_resumes(micro_pair, tmp_path, monkeypatch, capsys):
     config = micro_config(tmp_path / "run", micro_pair.parent)
-    import spectune.pipeline as stages_module  # the stage functions call the entry functions it imported
+    import spectune.pipeline.stages as stages_module  # the stage functions call the entry functions it imported
 
     real_train_draft = stages_module.train_draft
     calls = []
@@ -113,9 +110,9 @@ def test_pipeline_runs_skips_and_resumes(micro_pair, tmp_path, monkeypatch, caps
     assert (tmp_path / "run" / "report.md").is_file()
     written = json.loads((tmp_path / "run" / "gguf" / "pair.json").read_text())
     assert not any(Path(written[key]).is_absolute() for key in ("target", "draft", "target_hf", "draft_hf"))
-    chosen = config.layout.read_chosen_pair()
-    assert Path(chosen["target_hf"]).resolve() == tmp_path / "run" / "target" / "merged"  # vLLM and SGLang's input
-    assert (Path(chosen["draft_hf"]) / "config.json").is_file() and chosen["draft_name"] in chosen["draft_hf"]
+    chosen = ChosenPair.read(config.layout.chosen_pair)
+    assert chosen.target_hf and chosen.target_hf.resolve() == tmp_path / "run" / "target" / "merged"  # vLLM's input
+    assert chosen.draft_hf and (chosen.draft_hf / "config.json").is_file() and chosen.draft_name in str(chosen.draft_hf)
 
     monkeypatch.setattr(stages_module, "train_draft", must_not_run)
     before = {name: stage["seconds"] for name, stage in manifest["stages"].items()}
@@ -139,7 +136,7 @@ def test_pipeline_runs_skips_and_resumes(micro_pair, tmp_path, monkeypatch, caps
     shutil.move(tmp_path / "run", moved)
     monkeypatch.chdir(tmp_path / "elsewhere")
     served = ServeConfig(run=Path("moved-run"))
-    assert served.target.is_file() and served.draft.is_file() and served.draft_max == chosen["k"]
+    assert served.target.is_file() and served.draft.is_file() and served.draft_max == chosen.k
     assert (moved / "gguf" / "llama-server.sh").read_text().count(str(tmp_path)) == 0
 
 

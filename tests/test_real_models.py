@@ -22,6 +22,7 @@ from spectune.models.load import load_tokenizer
 from spectune.models.tokenizer_check import check_tokenizer
 from spectune.runtime.chat import chat_prompt
 from spectune.runtime.decode import DecodeSettings
+from spectune.runtime.draft_model import DraftModel
 from spectune.runtime.llama import LlamaModel
 from spectune.runtime.pair import check_pair
 from spectune.runtime.speculative import SpeculativeDecoder
@@ -121,7 +122,9 @@ def test_a_draft_made_from_the_target_shares_its_layers_and_vocabulary(tuned_tar
     ids = model.tokenize(chat_prompt(model, [{"role": "user", "content": TEXTS[0]}]))
     config = DecodeSettings(max_tokens=16, draft_max=3)
     plain = SpeculativeDecoder(model).generate(ids, config)
-    speculative = SpeculativeDecoder(model, LlamaModel(draft_gguf, n_ctx=512, threads=1)).generate(ids, config)
+    speculative = SpeculativeDecoder(model, [DraftModel(LlamaModel(draft_gguf, n_ctx=512, threads=1), model)]).generate(
+        ids, config
+    )
     assert speculative.tokens == plain.tokens
 
 

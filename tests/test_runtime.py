@@ -19,9 +19,11 @@ from spectune.errors import SpectuneError
 from spectune.export.gguf import convert, export_model
 from spectune.runtime.chat import CLAUSE_END, chat_prompt
 from spectune.runtime.decode import DecodeSettings
+from spectune.runtime.draft_model import DraftModel
+from spectune.runtime.first_words import FirstWordsRule
 from spectune.runtime.llama import LlamaModel
 from spectune.runtime.sampling import StochasticSampler
-from spectune.runtime.speculative import Generation, Pace, SpeculativeDecoder, Stats
+from spectune.runtime.speculative import Generation, SpeculativeDecoder, Stats
 
 QUANTS = ("F32", "F16", "Q8_0", "Q4_K_M")
 
@@ -80,7 +82,7 @@ def test_an_exact_model_stays_exact_after_an_inexact_one_in_the_same_process(ggu
 @pytest.mark.parametrize("quant", QUANTS)
 def test_greedy_speculative_output_equals_the_target_alone(ggufs, prompts, quant):
     target, draft = load(ggufs[quant]["target"]), load(ggufs[quant]["draft"])
-    plain, speculative = SpeculativeDecoder(target), SpeculativeDecoder(target, draft)
+    plain, speculative = SpeculativeDecoder(target), SpeculativeDecoder(target, [DraftModel(draft, target)])
     config = DecodeSettings(max_tokens=40, draft_max=5)
     accepted = 0
     for prompt in prompts:
@@ -105,13 +107,17 @@ def test_k0_and_no_draft_equal_plain_decoding(ggufs, prompts):
     target, draft = load(ggufs["Q8_0"]["target"]), load(ggufs["Q8_0"]["draft"])
     ids = target.tokenize(chat_prompt(target, prompts[0].messages))
     expected, plain_stats = unpack(SpeculativeDecoder(target).generate(ids, DecodeSettings(max_tokens=30)))
-    got, stats = unpack(SpeculativeDecoder(target, draft).generate(ids, DecodeSettings(max_tokens=30, draft_max=0)))
+    got, stats = unpack(
+        SpeculativeDecoder(target, [DraftModel(draft, target)]).generate(
+            ids, DecodeSettings(max_tokens=30, draft_max=0)
+        )
+    )
     assert got == expected and stats.drafted == 0 and stats.verify_steps == plain_stats.verify_steps
 
 
 def test_p_min_and_adaptive_k_keep_the_output(ggufs, prompts):
     target, draft = load(ggufs["F16"]["target"]), load(ggufs["F16"]["draft"])
-    plain, speculative = SpeculativeDecoder(target), SpeculativeDecoder(target, draft)
+    plain, speculative = SpeculativeDecoder(target), SpeculativeDecoder(target, [DraftModel(draft, target)])
     for prompt in prompts[:6]:
         ids = target.tokenize(chat_prompt(target, prompt.messages))
         expected, _ = unpack(plain.generate(ids, DecodeSettings(max_tokens=30)))
@@ -128,7 +134,7 @@ def test_end_of_context_stops_without_crashing(ggufs, prompts):
     ids = (filler * (n_ctx // len(filler) + 1))[: n_ctx - 10]
     config = DecodeSettings(max_tokens=200, draft_max=8)
     expected, _ = unpack(SpeculativeDecoder(target).generate(ids, config))
-    got, stats = unpack(SpeculativeDecoder(target, draft).generate(ids, config))
+    got, stats = unpack(SpeculativeDecoder(target, [DraftModel(draft, target)]).generate(ids, config))
     assert got == expected
     assert len(ids) + len(got) <= n_ctx
     assert stats.finish_reason in ("length", "stop")
@@ -138,7 +144,7 @@ def test_end_of_context_stops_without_crashing(ggufs, prompts):
 
 def test_stop_strings_and_max_tokens(ggufs, prompts):
     target = load(ggufs["F16"]["target"])
-    decoder = SpeculativeDecoder(target, load(ggufs["F16"]["draft"]))
+    decoder = SpeculativeDecoder(target, [DraftModel(load(ggufs["F16"]["draft"]), target)])
     ids = target.tokenize(chat_prompt(target, prompts[1].messages))
     full, _ = unpack(decoder.generate(ids, DecodeSettings(max_tokens=30)))
     short, stats = unpack(decoder.generate(ids, DecodeSettings(max_tokens=3)))
@@ -171,7 +177,7 @@ def test_speculative_sampling_keeps_the_target_distribution():
 
 def test_speculative_sampling_end_to_end_matches_plain_sampling(ggufs, prompts):
     target, draft = load(ggufs["F32"]["target"]), load(ggufs["F32"]["draft"])
-    plain, speculative = SpeculativeDecoder(target), SpeculativeDecoder(target, draft)
+    plain, speculative = SpeculativeDecoder(target), SpeculativeDecoder(target, [DraftModel(draft, target)])
     ids = target.tokenize(chat_prompt(target, prompts[2].messages))
     first_plain, first_spec = Counter(), Counter()
     runs = 300
@@ -191,7 +197,8 @@ def test_speculative_sampling_end_to_end_matches_plain_sampling(ggufs, prompts):
 def test_an_incompatible_pair_is_refused(ggufs, sft_draft, tmp_path):
     other = convert(swap_two_tokens(sft_draft, tmp_path / "other"), tmp_path / "other.gguf", "F16")
     with pytest.raises(SpectuneError, match="token 300 differs"):
-        SpeculativeDecoder(load(ggufs["F16"]["target"]), load(other))
+        target = load(ggufs["F16"]["target"])
+        SpeculativeDecoder(target, [DraftModel(load(other), target)])
 
 
 def test_bench_writes_its_report(ggufs, demo_data, tmp_path):
@@ -235,7 +242,7 @@ def test_bench_writes_its_report(ggufs, demo_data, tmp_path):
 
 def test_a_new_turn_reuses_the_cached_prefix_and_answers_the_same(ggufs, prompts):
     target, draft = load(ggufs["Q4_K_M"]["target"]), load(ggufs["Q4_K_M"]["draft"])
-    decoder = SpeculativeDecoder(target, draft)
+    decoder = SpeculativeDecoder(target, [DraftModel(draft, target)])
     config = DecodeSettings(max_tokens=20, draft_max=4)
     messages = list(prompts[3].messages)
     first_ids = target.tokenize(chat_prompt(target, messages))
@@ -253,19 +260,23 @@ def test_a_new_turn_reuses_the_cached_prefix_and_answers_the_same(ggufs, prompts
 def draft_calls(decoder: SpeculativeDecoder) -> list[tuple[int, int]]:
     """(sequence length, tokens the draft had to catch up on) at each of the decoder's proposals from now on."""
     calls: list[tuple[int, int]] = []
-    propose = decoder.drafter.propose
+    speculators = decoder.speculators
+    propose = speculators.propose
 
     def recorded(sequence, *args):
-        calls.append((len(sequence), decoder.drafter.behind(sequence)))
+        calls.append((len(sequence), speculators.behind(sequence)))
         return propose(sequence, *args)
 
-    decoder.drafter.propose = recorded
+    speculators.propose = recorded
     return calls
 
 
 def test_the_first_token_never_waits_for_the_draft_and_a_new_turn_is_all_it_reads(ggufs, prompts):
     target, draft = load(ggufs["Q4_K_M"]["target"]), load(ggufs["Q4_K_M"]["draft"])
-    decoder, plain = SpeculativeDecoder(target, draft), SpeculativeDecoder(load(ggufs["Q4_K_M"]["target"]))
+    decoder, plain = (
+        SpeculativeDecoder(target, [DraftModel(draft, target)]),
+        SpeculativeDecoder(load(ggufs["Q4_K_M"]["target"])),
+    )
     calls = draft_calls(decoder)
     messages = list(prompts[6].messages)
     ids = target.tokenize(chat_prompt(target, messages))
@@ -297,7 +308,10 @@ def test_the_first_token_never_waits_for_the_draft_and_a_new_turn_is_all_it_read
 
 def test_a_first_clause_decoded_alone_is_the_same_answer_and_drafting_starts_after_it(ggufs, prompts):
     target, draft = load(ggufs["Q4_K_M"]["target"]), load(ggufs["Q4_K_M"]["draft"])
-    decoder, plain = SpeculativeDecoder(target, draft), SpeculativeDecoder(load(ggufs["Q4_K_M"]["target"]))
+    decoder, plain = (
+        SpeculativeDecoder(target, [DraftModel(draft, target)]),
+        SpeculativeDecoder(load(ggufs["Q4_K_M"]["target"])),
+    )
     calls = draft_calls(decoder)
     for prompt in prompts[:6]:
         ids = target.tokenize(chat_prompt(target, prompt.messages))
@@ -311,7 +325,7 @@ def test_a_first_clause_decoded_alone_is_the_same_answer_and_drafting_starts_aft
 
 
 def test_the_first_clause_goes_to_the_draft_only_where_it_comes_sooner():
-    pace = Pace()
+    pace = FirstWordsRule()
     assert pace.draft_first_clause(10_000)  # nothing measured yet: draft, and measure
     pace.alone, pace.speculative, pace.catch_up, pace.clause_tokens = 0.010, 0.005, 0.001, 8.0
     assert pace.draft_first_clause(10)  # 10 ms to catch up + 7 x 5 ms < 7 x 10 ms alone
@@ -333,8 +347,9 @@ def test_offline_acceptance_matches_the_runtime(ggufs, tuned_target, sft_draft, 
     break no near-tie differently they must agree exactly; across prompts, near-ties (which differ by CPU: llamafile's
     batched kernels round differently) may change a few. (The engine's acceptance *rate* is not α: the token after an
     accepted draft is the target's bonus, never drafted, so it counts other positions.)"""
+    from spectune.acceptance.meter import simulate_tau, target_continuations, teacher_forced
+    from spectune.acceptance.stage import load_models
     from spectune.data.prepare import read_prompts
-    from spectune.train.acceptance import load_models, simulate_tau, target_continuations, teacher_forced
 
     n, max_tokens = 10, 24
     prompts = read_prompts(demo_data)[:n]
@@ -345,7 +360,7 @@ def test_offline_acceptance_matches_the_runtime(ggufs, tuned_target, sft_draft, 
         for ids, answer in answers
     ]
     target, draft = load(ggufs[quant]["target"]), load(ggufs[quant]["draft"])
-    decoder = SpeculativeDecoder(target, draft)
+    decoder = SpeculativeDecoder(target, [DraftModel(draft, target)])
     for k in (1, 4):
         exact = 0
         for prompt, flags in zip(prompts, matches, strict=True):

@@ -93,7 +93,7 @@ def test_both_caches_hold_only_the_caller_being_served(pair):
         answer = ask(url, {"messages": probe, "max_tokens": 16, "user": "caller-2"}).json()
         (slot,) = list(instance.spectune.slots._queue)  # the one slot, free again
         prompt = chat_tokens(slot.target, probe)
-        for model in (slot.decoder.target, slot.decoder.drafter.model):
+        for model in (slot.decoder.target, *slot.decoder.speculators.models):
             held = model.cached
             assert len(held) >= len(prompt) - 1 and held[: len(prompt) - 1] == prompt[:-1], model.path
             said = [token for token in held[len(prompt) :] if not model.is_end(token)]  # the answer, its end read too

@@ -10,23 +10,22 @@ import pytest
 import torch
 from conftest import run_cli, swap_two_tokens
 
+from spectune.acceptance.meter import simulate_tau
+from spectune.acceptance.stage import AcceptanceConfig, run_acceptance
 from spectune.data.read import read_dialogues
 from spectune.errors import SpectuneError
 from spectune.export.gguf import export_model
 from spectune.models.load import load_tokenizer
 from spectune.runtime.ngram import NgramSettings
 from spectune.speedup import expected_tokens, speedup, speedup_of_steps
-from spectune.train.acceptance import AcceptanceConfig, run_acceptance, simulate_tau
+from spectune.train.distill import divergence, divergence_loss, sparse_log_probs
 from spectune.train.draft import (
     TEACHER_GGUF,
     DraftConfig,
     DraftResult,
     conversation_prompts,
-    divergence,
-    divergence_loss,
     hf_answerer,
     llama_answerer,
-    sparse_log_probs,
     train_draft,
 )
 

@@ -55,8 +55,11 @@ def _option(name: str, field: FieldInfo) -> inspect.Parameter:
     elif (default := field.get_default(call_default_factory=True)) not in (None, {}, []):
         parts.append(f"(default: {default})")
     extra = field.json_schema_extra if isinstance(field.json_schema_extra, dict) else {}
-    make = typer.Argument if extra.get("positional") else typer.Option
-    option = make(help=" ".join(parts), show_default=False)
+    if extra.get("positional"):
+        option = typer.Argument(help=" ".join(parts), show_default=False)
+    else:  # a flag of its own where the field's name is not the word a user types (--for, --from)
+        declared = [str(extra["flag"])] if "flag" in extra else []
+        option = typer.Option(*declared, help=" ".join(parts), show_default=False)
     return inspect.Parameter(
         name, inspect.Parameter.KEYWORD_ONLY, default=None, annotation=Annotated[kind | None, option]
     )
@@ -107,6 +110,7 @@ def config_command(
         fields = [_option(key, field) for key, field in chosen]
         command.__signature__ = inspect.Signature([config_flag, *fields])  # type: ignore[attr-defined]
         command.__doc__ = function.__doc__
+        command.settings = model  # type: ignore[attr-defined]  # what its flags were generated from
         app.command(name or function.__name__.replace("_", "-"))(command)
         return function
 

@@ -3,11 +3,7 @@ export, bench, demo, serve and the GPU scripts read through it."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
-from typing import Any
-
-from spectune.errors import SpectuneError
 
 DEFAULT_QUANT = "Q4_K_M"  # the GGUF type a run exports to unless its export.quant says otherwise
 CONTROL_DRAFT = "generic"  # the untrained draft every tuned one is compared with
@@ -50,15 +46,3 @@ class RunLayout:
     def gguf(self, name: str) -> Path:
         """The exported GGUF of the target (name "target") or of a draft."""
         return self.gguf_dir / gguf_name(name, self.quant)
-
-    def read_chosen_pair(self) -> dict[str, Any]:
-        """{"target", "draft", "draft_name", "k", "target_hf", "draft_hf", "ngram", "ngram_data"} of a finished run
-        (n-gram lookup's settings and domain answers where it goes in front of the draft, else None): GGUFs and HF
-        folders as paths that work from any directory (pair.json names them relative to its own folder)."""
-        if not self.chosen_pair.is_file():
-            raise SpectuneError(f"{self.root}: no {self.chosen_pair.name}; is this a finished `spectune run` folder?")
-        chosen = json.loads(self.chosen_pair.read_text())
-        for key in ("target", "draft", "target_hf", "draft_hf", "ngram_data"):
-            if chosen.get(key):  # an absolute path (older runs) stays as it was
-                chosen[key] = str(self.gguf_dir / chosen[key])
-        return chosen

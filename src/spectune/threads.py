@@ -4,6 +4,26 @@ from __future__ import annotations
 
 import os
 
+from pydantic import Field
+
+from spectune.config import Settings
+
+DEFAULT_N_CTX = 4096  # a model's context (per slot, in a server) where its user names none
+
+
+class ThreadsSettings(Settings):
+    """The one definition of a verb's thread count (torch's and llama.cpp's)."""
+
+    threads: int | None = Field(
+        None, ge=1, description="Threads for torch and llama.cpp (default: $SPECTUNE_THREADS or every core)."
+    )
+
+
+class LlamaSettings(ThreadsSettings):
+    """How a verb's llama.cpp contexts run: its threads and its context length."""
+
+    n_ctx: int = Field(DEFAULT_N_CTX, ge=64, description="Context length (per slot, in a server).")
+
 
 def thread_count(requested: int | None = None) -> int:
     """`requested`, else $SPECTUNE_THREADS, else every core."""

@@ -11,6 +11,8 @@ from spectune.engines.llama_server import NgramType
 from spectune.layout import CONTROL_DRAFT
 from spectune.runtime.decode import DecodeSettings
 from spectune.runtime.ngram import NGRAM, NgramSettings
+from spectune.runtime.registry import SpeculatorSettings, Variant, check_draft_names
+from spectune.threads import LlamaSettings
 
 # llama.cpp's target alone, the baseline, by its key in the rows and how the report says it: with the bench's own
 # settings (exact: spectune's identity settings), and at llama.cpp's own defaults (repacked weights, flash attention
@@ -18,7 +20,7 @@ from spectune.runtime.ngram import NGRAM, NgramSettings
 BASELINES = {"llama_cpp": "with this bench's settings", "llama_cpp_defaults": "at its defaults"}
 
 
-class BenchSettings(DecodeSettings):
+class BenchSettings(DecodeSettings, SpeculatorSettings):
     """The bench's settings: the `bench:` section of a run config and the flags of `spectune bench`."""
 
     n: int = Field(30, ge=1, description="Prompts.")
@@ -48,7 +50,7 @@ class BenchSettings(DecodeSettings):
         return self
 
 
-class BenchConfig(BenchSettings):
+class BenchConfig(BenchSettings, LlamaSettings):
     """Everything `spectune bench` takes."""
 
     target: Path = Field(description="Target GGUF.")
@@ -59,8 +61,6 @@ class BenchConfig(BenchSettings):
     ngram: NgramSettings | None = Field(
         None, description="Also n-gram lookup: `ngram` alone, and `ngram+DRAFT` in front of tuned drafts."
     )
-    threads: int | None = Field(None, description="Threads for llama.cpp (default: $SPECTUNE_THREADS or all).")
-    n_ctx: int = Field(2048, ge=64, description="Context length.")
     gpu_cost_ratio: dict[str, float] = Field(
         {}, description="c per draft for the GPU prediction (default: what a step reads of the GGUFs)."
     )
@@ -72,18 +72,26 @@ class BenchConfig(BenchSettings):
 
     @model_validator(mode="after")
     def _known_drafts(self) -> BenchConfig:
+        check_draft_names(list(self.drafts))
         unknown = sorted(set(self.ngram_with or []) - set(self.drafts))
         if unknown:
             raise ValueError(f"ngram_with: no draft named {', '.join(unknown)} (drafts: {', '.join(self.drafts)})")
         return self
 
-    def variants(self) -> dict[str, Path | None]:
-        """Every variant's draft model (None: n-gram lookup alone), the target alone not included."""
-        ngram: dict[str, Path | None] = {NGRAM: None} if self.ngram else {}
-        if self.ngram:
-            fronted = self.ngram_with if self.ngram_with is not None else set(self.drafts) - {CONTROL_DRAFT}
-            ngram |= {f"{NGRAM}+{name}": path for name, path in self.drafts.items() if name in fronted}
-        return {**self.drafts, **ngram}
+    def variants(self) -> dict[str, Variant]:
+        """Every variant by its name, the target alone not included: each draft, then each model-free speculator
+        alone and in front of the fronted drafts (ngram_with, default every tuned one)."""
+        lookups = list(dict.fromkeys([*[NGRAM] * (self.ngram is not None), *self.speculators]))
+        fronted = self.ngram_with if self.ngram_with is not None else set(self.drafts) - {CONTROL_DRAFT}
+        variants = [Variant(draft=name) for name in self.drafts]
+        for lookup in lookups:
+            variants += [Variant((lookup,)), *(Variant((lookup,), name) for name in self.drafts if name in fronted)]
+        return {variant.name: variant for variant in variants}
+
+    def draft_path(self, name: str) -> Path | None:
+        """The draft model variant `name` runs (None: model-free speculators alone)."""
+        draft = self.variants()[name].draft
+        return self.drafts[draft] if draft else None
 
 
 def baseline_settings(config: BenchConfig) -> dict[str, bool]:
@@ -96,9 +104,10 @@ def baseline_settings(config: BenchConfig) -> dict[str, bool]:
 
 
 def draft_length(config: BenchConfig, name: str) -> int:
-    """k for this variant (0 for the target alone); `ngram+DRAFT` drafts as far as DRAFT does."""
-    if name not in config.variants():
+    """k for this variant (0 for the target alone); a lookup in front of a draft drafts as far as the draft does
+    where the meter did not measure the pair."""
+    variant = config.variants().get(name)
+    if variant is None:
         return 0
-    # an n-gram variant the meter did not measure drafts as far as its draft
-    measured = config.recommended_k.get(name, config.recommended_k.get(name.removeprefix(f"{NGRAM}+")))
+    measured = config.recommended_k.get(name, config.recommended_k.get(variant.draft or ""))
     return config.with_k(measured).k

@@ -21,13 +21,16 @@ from spectune.engines.llama_cpp import SPECULATIVE_TOOL as TOOL
 from spectune.engines.llama_server import (
     LlamaServer,
     NgramType,
+    exact_flags,
     free_port,
     server_command,
     server_env,
     speculation_flags,
+    thread_flags,
 )
 from spectune.errors import SpectuneError
 from spectune.runtime.decode import DecodeSettings
+from spectune.runtime.ngram import NgramSettings
 
 LOG_ATTEMPTS = 8
 BASELINE_READY_SECONDS = 120.0
@@ -63,19 +66,22 @@ def run_peer(
     threads: int,
     n_ctx: int,
     exact: bool,
-    ngram_n: int = 0,
+    lookups: tuple[str, ...] = (),
     eagle3: bool = False,
     ngram_type: NgramType = "ngram-simple",
+    ngram_n: int = NgramSettings().min_n,
 ) -> PeerRun:
-    """One greedy speculative generation by llama.cpp, with a draft model and/or, where `ngram_n` > 0, its own
-    n-gram speculator of `ngram_type` in front (`eagle3`: the draft is an EAGLE-3 head); its own timings (decode
-    only, prompt excluded)."""
-    speculation = speculation_flags(draft, draft_tokens, threads, ngram_n, eagle3=eagle3, ngram_type=ngram_type)
+    """One greedy speculative generation by llama.cpp, with a draft model and/or its own speculators for
+    spectune's `lookups` in front (n-gram lookup: `ngram_type`; `eagle3`: the draft is an EAGLE-3 head); its own
+    timings (decode only, prompt excluded)."""
+    speculation = speculation_flags(
+        draft, draft_tokens, threads, lookups, eagle3=eagle3, ngram_type=ngram_type, ngram_n=ngram_n
+    )
     command = [
         *(str(binary), "-m", str(target), *speculation),
         *("-p", prompt, "-n", str(max_tokens), "-c", str(n_ctx), "--temp", "0", "--top-k", "1"),
-        *("-t", str(threads), "-tb", str(threads)),
-        *(("--no-repack", "-fa", "off") if exact else ()),
+        *thread_flags(threads),
+        *exact_flags(exact),
     ]
     env = {**os.environ, **server_env(exact, None)}
     # llama.cpp's logger is an unflushed background queue, so its closing stats are lost at exit about half the

@@ -27,15 +27,17 @@ from spectune.bench.summary import summarize, with_first_sentence
 from spectune.data.prepare import read_prompts
 from spectune.data.read import assistant_turns
 from spectune.engines.llama_cpp import SPECULATIVE_TOOL, built_tool
+from spectune.engines.llama_server import llama_cpp_runs
 from spectune.errors import SpectuneError
 from spectune.layout import TARGET
 from spectune.runtime.build import identity_verdict
 from spectune.runtime.chat import CLAUSE_END, chat_prompt
 from spectune.runtime.decode import DecodeSettings
+from spectune.runtime.first_words import FirstWords
 from spectune.runtime.llama import LlamaModel
-from spectune.runtime.ngram import NGRAM, NgramDrafter, domain_of_texts
+from spectune.runtime.ngram import NGRAM, NgramSettings, NgramSetup, domain_of_texts
 from spectune.runtime.profile import measure_profile
-from spectune.runtime.speculative import FirstWords, Generation, SpeculativeDecoder
+from spectune.runtime.speculative import Generation, SpeculativeDecoder
 
 console = Console()
 Result = TypeVar("Result")
@@ -54,12 +56,13 @@ def load_decoders(config: BenchConfig) -> tuple[LlamaModel, dict[str, Speculativ
         name: LlamaModel(path, n_ctx=config.n_ctx, threads=config.threads, exact=config.exact)
         for name, path in config.drafts.items()
     }
-    answers = assistant_turns(config.ngram_data) if config.ngram and config.ngram_data else []
-    domain = domain_of_texts(config.ngram, answers, target.tokenize) if config.ngram else None
-    for name in config.variants():
-        draft_name = name.removeprefix(f"{NGRAM}+") if name != NGRAM else None
-        ngram = NgramDrafter(config.ngram, domain) if config.ngram and name.startswith(NGRAM) else None
-        decoders[name] = SpeculativeDecoder(target, models.get(draft_name or ""), ngram)
+    setups: dict[str, NgramSetup] = {}
+    if config.ngram:  # the domain table is built once and read by every n-gram variant
+        answers = assistant_turns(config.ngram_data) if config.ngram_data else []
+        setups[NGRAM] = NgramSetup(config.ngram, domain_of_texts(config.ngram, answers, target.tokenize))
+    for name, variant in config.variants().items():
+        draft = models[variant.draft] if variant.draft else None
+        decoders[name] = SpeculativeDecoder(target, variant.speculators(target, draft, setups))
     return target, decoders
 
 
@@ -104,8 +107,8 @@ def bench(config: BenchConfig) -> dict[str, Any]:
         "prompts": rows,
         "retimed": retimed,
         "summary": {
-            name: with_first_sentence(summarize(name, rows, profiles[name], config, path))
-            for name, path in config.variants().items()
+            name: with_first_sentence(summarize(name, rows, profiles[name], config, config.draft_path(name)))
+            for name in config.variants()
         },
         "serving": serving_choice(rows, list(config.variants())),
     }
@@ -127,7 +130,9 @@ def bench_prompt(
     text = chat_prompt(target, messages)
     ids = target.tokenize(text)
     llama_runs: dict[tuple[str, str], Callable[[], PeerRun]] = {
-        (name, "llama_cpp"): functools.partial(peer, name, text) for name in config.variants() if peer
+        (name, "llama_cpp"): functools.partial(peer, name, text)
+        for name, variant in config.variants().items()
+        if peer and llama_cpp_runs(variant)
     }
     for field, baseline in baselines.items():
         llama_runs[TARGET, field] = functools.partial(baseline, without_bos(target, text), config.max_tokens)
@@ -253,10 +258,7 @@ def prompt_row(
             "accepted_as_llama_cpp": stats[0].accepted_as_llama_cpp,
             "drafted_at": stats[0].drafted_at,
             "accepted_at": stats[0].accepted_at,
-            "ngram_steps": stats[0].ngram_steps,
-            "ngram_drafted": stats[0].ngram_drafted,
-            "ngram_accepted": stats[0].ngram_accepted,
-            "ngram_from_context": stats[0].ngram_from_context,
+            "by_source": stats[0].as_dict()["by_source"],
             "draft_catch_ups": stats[0].draft_catch_ups,
             "draft_seconds": statistics.median(s.draft_seconds for s in stats),
             "verify_seconds": statistics.median(s.verify_seconds for s in stats),
@@ -285,20 +287,22 @@ def prompt_row(
 
 
 def variant_profiles(config: BenchConfig) -> dict[str, dict[str, Any]]:
-    """c and r(n) per variant: each draft model's measured; n-gram lookup costs nothing (c = 0, the target's r)."""
+    """c and r(n) per variant, measured once per draft model for every variant it runs in (r(n) up to their longest
+    k: a lookup in front may draft further than the draft alone); model-free speculators cost nothing (c = 0, the
+    target's r)."""
+    by_draft: dict[str | None, list[str]] = {}
+    for name, variant in config.variants().items():
+        by_draft.setdefault(variant.draft, []).append(name)
     profiles = {}
-    for name, path in config.variants().items():
-        if name.startswith(NGRAM) and name != NGRAM:
-            continue  # the draft's own, below
-        # r(n) up to the longest k of the variants this draft serves (ngram+DRAFT may draft further than DRAFT)
-        users = [variant for variant in config.variants() if variant in (name, f"{NGRAM}+{name}")]
-        max_batch = max(draft_length(config, variant) for variant in users) + 1
+    for draft, names in by_draft.items():
+        max_batch = max(draft_length(config, name) for name in names) + 1
+        path = config.drafts[draft] if draft else None
         measured = measure_profile(
             config.target, path or config.target, max_batch, threads=config.threads, exact=config.exact
         )
-        profiles[name] = measured if path else {**measured, "cost_ratio": 0.0, "draft_ms_per_token": 0.0}
-    for name in config.variants():
-        profiles.setdefault(name, profiles[name.removeprefix(f"{NGRAM}+")])
+        profiles |= dict.fromkeys(
+            names, measured if path else {**measured, "cost_ratio": 0.0, "draft_ms_per_token": 0.0}
+        )
     return profiles
 
 
@@ -319,15 +323,16 @@ def peer_runner(config: BenchConfig, target: LlamaModel) -> Callable[[str, str],
         return run_peer(
             binary,
             config.target,
-            config.variants()[name],
+            config.draft_path(name),
             without_bos(target, text),
             draft_length(config, name),
             config.max_tokens,
             target.threads,
             config.n_ctx,
             config.exact,
-            ngram_n=config.ngram.min_n if config.ngram and name.startswith(NGRAM) else 0,
+            lookups=config.variants()[name].lookups,
             ngram_type=config.peer_ngram,
+            ngram_n=config.ngram.min_n if config.ngram else NgramSettings().min_n,
         )
 
     return run

@@ -4,6 +4,7 @@ acceptance pooled over the prompts, a caller's waits, the predictions here and o
 from __future__ import annotations
 
 import statistics
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -11,6 +12,8 @@ from spectune.bench.config import BASELINES, BenchConfig, draft_length
 from spectune.gpu.card import reference_card
 from spectune.gpu.predict import on_card_of_steps
 from spectune.layout import TARGET
+from spectune.runtime.draft_model import DRAFT
+from spectune.runtime.ngram import NGRAM
 from spectune.runtime.profile import gguf_weights
 from spectune.speedup import (
     first_sentence_ratio,
@@ -99,36 +102,49 @@ def totals(variants: list[dict[str, Any]]) -> tuple[int, float]:
     return sum(v["tokens"] for v in variants), sum(v["decode_seconds"] for v in variants)
 
 
-def summarize(
-    name: str, rows: list[dict], profile: dict, config: BenchConfig, draft_path: Path | None
-) -> dict[str, Any]:
+@dataclass
+class Pooled:
+    """A variant's steps pooled over the prompts (tokens / steps, as the offline meter pools: short answers do not
+    weigh more)."""
+
+    tau: float
+    drafted_at: list[int]
+    accepted_at: list[int]
+    steps: int
+    model_share: float  # of the drafted tokens, the draft model's (the rest were looked up, and cost nothing)
+    catch_ups: list[int]  # the draft model's batches of more than one token before it proposed
+
+    @classmethod
+    def of(cls, variants: list[dict[str, Any]], has_model: bool) -> Pooled:
+        drafted_at, accepted_at = (pooled_by_position(variants, key) for key in ("drafted_at", "accepted_at"))
+        steps = sum(v["verify_steps"] for v in variants)
+        drafted = sum(drafted_at)
+        looked_up = sum(f["drafted"] for v in variants for source, f in source_counts(v).items() if source != DRAFT)
+        return cls(
+            tau=sum(v["produced"] for v in variants) / max(1, steps),
+            drafted_at=drafted_at,
+            accepted_at=accepted_at,
+            steps=steps,
+            model_share=(drafted - looked_up) / drafted if drafted else float(has_model),
+            catch_ups=[n for v in variants for n in v.get("draft_catch_ups", [])],  # older rows: none counted
+        )
+
+
+def measured_figures(name: str, rows: list[dict], has_model: bool) -> dict[str, Any]:
+    """What a bench's rows say of a variant with no model of cost: speed, waits, acceptance, identical answers."""
     variants = [row["variants"][name] for row in rows]
     speedups = [v["speedup"] for v in variants]
     # The headline: all tokens over all decode time, with the draft over the target alone (a mean of per-prompt
     # ratios weighs short answers as much as long ones).
     target_alone = [row["variants"][TARGET] for row in rows]
     (tokens, seconds), (_, target_seconds) = totals(variants), totals(target_alone)
-    # Pooled over prompts (tokens / steps), as the offline meter pools: short answers do not weigh more.
-    drafted_at, accepted_at = (pooled_by_position(variants, key) for key in ("drafted_at", "accepted_at"))
-    drafted, accepted = sum(drafted_at), sum(accepted_at)
-    steps = sum(v["verify_steps"] for v in variants)
-    tau = sum(v["produced"] for v in variants) / max(1, steps)
-    k = draft_length(config, name)
-    ngram_drafted = sum(v["ngram_drafted"] for v in variants)
-    # The draft model's cost is paid on the tokens it drafted, not on those looked up: c per drafted token, averaged
-    model_share = (drafted - ngram_drafted) / drafted if drafted else float(draft_path is not None)
-    cost_ratio = profile["cost_ratio"] * model_share
-    per_position = [a / d if d else 0.0 for d, a in zip(drafted_at, accepted_at, strict=True)]
-    # A catch-up of n tokens is one batch of the draft: r(n) draft steps here (the target's r standing in for the
-    # draft's), of which the step-cost model counts one; on a memory-bound GPU it costs what one step does.
-    catch_ups = [n for v in variants for n in v["draft_catch_ups"]]
-    catch_up_cost = profile["cost_ratio"] * sum(verify_ratio_at(profile["verify_ratio"], n) - 1 for n in catch_ups)
+    pooled = Pooled.of(variants, has_model)
+    drafted, accepted = sum(pooled.drafted_at), sum(pooled.accepted_at)
+    counts = [source_counts(v) for v in variants]
     return {
         **versus_llama_cpp(variants, target_alone, seconds),
         "n": len(rows),
-        "draft_max": k,
         "identical": sum(v["identical"] for v in variants),
-        "exact": config.exact,
         "aggregate_speedup": target_seconds / seconds if seconds else 0.0,
         "total_tokens": tokens,
         "total_seconds": seconds,
@@ -142,19 +158,52 @@ def summarize(
         "best_speedup": max(speedups),
         "worst_speedup": min(speedups),
         "acceptance": accepted / drafted if drafted else 0.0,
-        "acceptance_by_position": per_position,
-        "mean_accepted_len": tau,
-        "cost_ratio": cost_ratio,
+        "acceptance_by_position": [
+            a / d if d else 0.0 for d, a in zip(pooled.drafted_at, pooled.accepted_at, strict=True)
+        ],
+        "mean_accepted_len": pooled.tau,
+        "mean_drafted_per_step": drafted / pooled.steps if pooled.steps else 0.0,
+        **{
+            key: value
+            for source in lookup_sources(counts)
+            for key, value in lookup_figures(counts, pooled.steps, source)
+        },
+        "draft_catch_ups": len(pooled.catch_ups),
+    }
+
+
+def summarize(
+    name: str, rows: list[dict], profile: dict, config: BenchConfig, draft_path: Path | None
+) -> dict[str, Any]:
+    """The measured figures, and the predictions of the step-cost model here (`profile`: c and r(n) measured in
+    the same run) and on a GPU, on the steps the bench really made (k at most: see speedup_of_steps)."""
+    k = draft_length(config, name)
+    pooled = Pooled.of([row["variants"][name] for row in rows], draft_path is not None)
+    steps = (pooled.tau, pooled.drafted_at, pooled.steps)
+    return {
+        **measured_figures(name, rows, draft_path is not None),
+        "draft_max": k,
+        "exact": config.exact,
         "verify_ratio": verify_ratio_at(profile["verify_ratio"], k + 1),
         "profile": profile,
-        "mean_drafted_per_step": drafted / steps if steps else 0.0,
-        **ngram_figures(variants),
-        # The step-cost model on the drafts each step really made (k at most): see speedup_of_steps
-        "draft_catch_ups": len(catch_ups),
-        "predicted_speedup_here": speedup_of_steps(
-            tau, drafted_at, steps, cost_ratio, profile["verify_ratio"], catch_up_cost
-        ),
-        **gpu_predictions(config, name, draft_path, model_share, (tau, drafted_at, steps)),
+        **predicted_here(pooled, profile),
+        **gpu_predictions(config, name, draft_path, pooled.model_share, steps),
+    }
+
+
+def predicted_here(pooled: Pooled, profile: dict) -> dict[str, float]:
+    """The step-cost model on this machine (`profile`: c and r(n) measured in the same run), c paid on the model's
+    share of the drafted tokens."""
+    cost_ratio = profile["cost_ratio"] * pooled.model_share
+    # A catch-up of n tokens is one batch of the draft: r(n) draft steps here (the target's r standing in for the
+    # draft's), of which the step-cost model counts one; on a memory-bound GPU it costs what one step does.
+    catch_up_cost = profile["cost_ratio"] * sum(
+        verify_ratio_at(profile["verify_ratio"], n) - 1 for n in pooled.catch_ups
+    )
+    steps = (pooled.tau, pooled.drafted_at, pooled.steps)
+    return {
+        "cost_ratio": cost_ratio,
+        "predicted_speedup_here": speedup_of_steps(*steps, cost_ratio, profile["verify_ratio"], catch_up_cost),
     }
 
 
@@ -212,16 +261,31 @@ def with_first_sentence(summary: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def ngram_figures(variants: list[dict[str, Any]]) -> dict[str, Any]:
-    """How often n-gram lookup proposed, how much of it was accepted, and where it came from (pooled)."""
-    steps = sum(v["verify_steps"] for v in variants)
-    drafted, accepted = (sum(v[key] for v in variants) for key in ("ngram_drafted", "ngram_accepted"))
-    return {
-        "ngram_step_share": sum(v["ngram_steps"] for v in variants) / steps if steps else 0.0,
-        "ngram_drafted": drafted,
-        "ngram_acceptance": accepted / drafted if drafted else 0.0,
-        "ngram_context_share": sum(v["ngram_from_context"] for v in variants) / drafted if drafted else 0.0,
-    }
+def source_counts(variant: dict[str, Any]) -> dict[str, dict[str, int]]:
+    """A row's counts per speculator that proposed (steps, drafted, accepted, from_context); rows benched before
+    `by_source` kept n-gram lookup's only, as `ngram_*`."""
+    if "by_source" in variant:
+        return variant["by_source"]
+    return {NGRAM: {key: variant[f"ngram_{key}"] for key in ("steps", "drafted", "accepted", "from_context")}}
+
+
+def lookup_sources(counts: list[dict[str, dict[str, int]]]) -> list[str]:
+    """The model-free speculators whose figures a summary gives: n-gram lookup always (its keys are in every
+    summary), then any other that proposed."""
+    return list(dict.fromkeys([NGRAM, *(source for c in counts for source in c if source != DRAFT)]))
+
+
+def lookup_figures(counts: list[dict[str, dict[str, int]]], steps: int, source: str) -> list[tuple[str, Any]]:
+    """How often a model-free speculator proposed, how much of it was accepted, and how much of it the conversation
+    gave (pooled over the prompts), as `SOURCE_step_share`, `SOURCE_drafted`, ..."""
+    own = [c[source] for c in counts if source in c]
+    drafted, accepted = (sum(f[key] for f in own) for key in ("drafted", "accepted"))
+    return [
+        (f"{source}_step_share", sum(f["steps"] for f in own) / steps if steps else 0.0),
+        (f"{source}_drafted", drafted),
+        (f"{source}_acceptance", accepted / drafted if drafted else 0.0),
+        (f"{source}_context_share", sum(f["from_context"] for f in own) / drafted if drafted else 0.0),
+    ]
 
 
 def versus_llama_cpp(variants: list[dict], target_alone: list[dict], seconds: float) -> dict[str, Any]:

@@ -23,6 +23,7 @@ from spectune.config import Settings
 from spectune.errors import SpectuneError
 from spectune.layout import RunLayout
 from spectune.models.load import check_model_dir, load_tokenizer
+from spectune.runtime.chosen import ChosenPair
 
 CHECKED_AGAINST = {"vllm": "0.33.0", "sglang": "0.5.23"}
 HANDOFF_REPORT, SERVE_SCRIPT = "handoff.json", "serve.sh"
@@ -84,25 +85,25 @@ def _link_tree(source: Path, out: Path) -> None:
 
 def hand_off(config: HandoffConfig) -> dict[str, Any]:
     """Write OUT/target, OUT/draft, handoff.json and serve.sh; returns the report."""
-    chosen = RunLayout(config.run).read_chosen_pair()
-    if "target_hf" not in chosen:
+    chosen = ChosenPair.read(RunLayout(config.run).chosen_pair)
+    if chosen.target_hf is None or chosen.draft_hf is None:
         raise SpectuneError(f"{config.run}: its pair.json predates hand-off; run `spectune run CONFIG --only export`")
-    if chosen.get("eagle3"):
+    if chosen.eagle3:
         raise SpectuneError(
             f"{config.run}: its pair serves an EAGLE-3 head, whose hand-off to {config.engine} is not built or checked "
             "yet; serve it with the run's llama-server.sh (or spectune serve --engine llama.cpp)"
         )
-    target, draft = check_model_dir(chosen["target_hf"]), check_model_dir(chosen["draft_hf"])
+    target, draft = check_model_dir(str(chosen.target_hf)), check_model_dir(str(chosen.draft_hf))
     vocabulary = check_same_tokenizer(target, draft)
     out = config.out or config.run / "handoff" / config.engine
     command = engine_command(
-        config.engine, out / "target", out / "draft", chosen["k"], config.host, config.port, config.model_name
+        config.engine, out / "target", out / "draft", chosen.k, config.host, config.port, config.model_name
     )
     report = {
         "engine": config.engine,
         "checked_against": f"{config.engine} {CHECKED_AGAINST[config.engine]}",
-        "draft_name": chosen["draft_name"],
-        "k": chosen["k"],
+        "draft_name": chosen.draft_name,
+        "k": chosen.k,
         "vocabulary": vocabulary,
         "from": {"target": str(target), "draft": str(draft)},
         "command": shlex.join(command),
@@ -114,7 +115,7 @@ def hand_off(config: HandoffConfig) -> dict[str, Any]:
         (tmp / HANDOFF_REPORT).write_text(json.dumps(report, indent=2))
         script = tmp / SERVE_SCRIPT
         script.write_text(
-            f"#!/bin/sh\n# {config.engine} on the tuned pair: draft {chosen['draft_name']}, k = {chosen['k']} "
+            f"#!/bin/sh\n# {config.engine} on the tuned pair: draft {chosen.draft_name}, k = {chosen.k} "
             f"(the run's recommended k); flags checked against {report['checked_against']}.\n"
             f'exec {report["command"]} "$@"\n'
         )

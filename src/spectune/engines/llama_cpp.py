@@ -2,7 +2,8 @@
 code the Python binding runs), once, into the user cache: `spectune tools build-llama-cpp`.
 
 `llama-speculative-simple` is the peer `spectune bench --peer` compares our loop with; `llama-server` is the engine
-`spectune serve --engine llama.cpp` hands the tuned pair to.
+`spectune serve --engine llama.cpp` hands the tuned pair to; `llama-imatrix` and `llama-quantize` quantize a model
+with an importance matrix from the run's own data (export/imatrix.py).
 """
 
 from __future__ import annotations
@@ -21,7 +22,8 @@ from spectune.llama_cpp_pin import fetch_sdist, llama_cpp_version
 from spectune.runtime.build import llamafile_compiled
 
 SPECULATIVE_TOOL, SERVER = "llama-speculative-simple", "llama-server"
-TOOLS = (SPECULATIVE_TOOL, SERVER)
+IMATRIX_TOOL, QUANTIZE_TOOL = "llama-imatrix", "llama-quantize"  # quantizing with an importance matrix (export)
+TOOLS = (SPECULATIVE_TOOL, SERVER, IMATRIX_TOOL, QUANTIZE_TOOL)
 REFUSE_AMX_SOURCE = Path(__file__).with_name("refuse_amx.c")
 CPUINFO = Path("/proc/cpuinfo")
 # No web UI, no TLS, static binaries (relocatable, so the finished build can be renamed into place).
@@ -95,8 +97,8 @@ def _cmake(build: Path, cmake_args: tuple[str, ...], targets: tuple[str, ...], j
 
 
 def build_llama_cpp(cmake_args: tuple[str, ...] = (), variant: str = "cpu", jobs: int | None = None) -> Path:
-    """Build `llama-speculative-simple` and `llama-server` in one tree (cmake, ~10 min on 2 cores); returns their
-    folder. Cached per variant; a folder missing either tool is built again."""
+    """Build llama.cpp's tools (TOOLS) in one tree (cmake, ~10 min on 2 cores); returns their folder. Cached per
+    variant; a folder missing any of them is built again (the build tree is kept: only what is new compiles)."""
     folder = tools_dir(variant)
     if all((folder / tool).is_file() for tool in TOOLS):
         return folder

@@ -22,12 +22,15 @@ from typing import IO, Literal
 from spectune.engines.llama_cpp import defaults_env
 from spectune.errors import SpectuneError
 from spectune.runtime.decode import DecodeSettings
+from spectune.runtime.ngram import NGRAM, NgramSettings
+from spectune.runtime.registry import Variant
 
 READY_POLL_SECONDS = 0.2
 STOP_SECONDS = 10.0
 LOG_TAIL_CHARS = 2000
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
 NgramType = Literal["ngram-simple", "ngram-mod"]  # llama.cpp's n-gram speculators spectune hands a lookup to
+LLAMA_CPP_LOOKUPS = {NGRAM}  # spectune's model-free speculators llama.cpp has one of its own for
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -49,46 +52,66 @@ def server_command(
     n_ctx: int = 4096,
     slots: int = 1,
     model_name: str = "spectune",
-    ngram_n: int = 0,
+    lookups: tuple[str, ...] = (),
+    ngram: NgramSettings | None = None,
     eagle3: bool = False,
 ) -> list[str]:
     """`llama-server` serving `target` (with `draft` and/or n-gram lookup speculating, see speculation_flags), a
     request's defaults from `decode`. The API key is not here: it goes through LLAMA_API_KEY, out of `ps`."""
     command = [str(binary), "-m", str(target), "-a", model_name, "--host", host, "--port", str(port)]
     # -c is shared by the slots: each gets n_ctx as in spectune's own server.
-    command += ["-c", str(n_ctx * slots), "-np", str(slots), "-t", str(threads), "-tb", str(threads)]
+    command += ["-c", str(n_ctx * slots), "-np", str(slots), *thread_flags(threads)]
     command += ["--jinja", "--metrics", "--no-webui"]
-    command += speculation_flags(draft, decode.k, threads, ngram_n, decode.draft_p_min, eagle3)
+    ngram_n = (ngram or NgramSettings()).min_n
+    command += speculation_flags(draft, decode.k, threads, lookups, decode.draft_p_min, eagle3, ngram_n=ngram_n)
     command += ["-n", str(decode.max_tokens), "--temp", str(decode.temperature), "--top-k", str(decode.top_k)]
     command += ["--top-p", str(decode.top_p)] + (["-s", str(decode.seed)] if decode.seed is not None else [])
     command += ["--ignore-eos"] if decode.ignore_eos else []
-    if decode.exact:
-        command += ["--no-repack", "-fa", "off"]
-    return command
+    return command + exact_flags(decode.exact)
+
+
+def thread_flags(threads: int) -> list[str]:
+    """The same threads for one-token decodes and batches, as spectune's own contexts use."""
+    return ["-t", str(threads), "-tb", str(threads)]
+
+
+def exact_flags(exact: bool) -> list[str]:
+    """The flag half of the exact settings (runtime/llama.py; the other half is server_env's)."""
+    return ["--no-repack", "-fa", "off"] if exact else []
+
+
+def llama_cpp_runs(variant: Variant) -> bool:
+    """Whether llama.cpp has a speculator for each of the variant's (n-gram lookup: its own n-gram speculator)."""
+    return set(variant.lookups) <= LLAMA_CPP_LOOKUPS
 
 
 def speculation_flags(
     draft: Path | None,
     draft_max: int,
     threads: int,
-    ngram_n: int = 0,
+    lookups: tuple[str, ...] = (),
     p_min: float = 0.0,
     eagle3: bool = False,
     ngram_type: NgramType = "ngram-simple",
+    ngram_n: int = NgramSettings().min_n,
 ) -> list[str]:
-    """llama.cpp's flags for speculating as spectune's loop does: `draft` proposing up to `draft_max` tokens,
-    greedy, stopping below `p_min` confidence (0: never early), and where `ngram_n` > 0 its n-gram speculator in
-    front. ngram-simple: the context's continuation after its last `ngram_n` tokens (its default n-gram of 12
+    """llama.cpp's flags for speculating as spectune's loop does: its speculators for spectune's model-free
+    `lookups`, in their order (a Variant's), then `draft` proposing up to `draft_max` tokens, greedy, stopping below
+    `p_min` confidence (0: never early). n-gram lookup goes to llama.cpp's `ngram_type`. ngram-simple: the context's
+    continuation after its last `ngram_n` tokens (its default n-gram of 12
     tokens is sized for code). ngram-mod: its hashed table of every context n-gram, matched on its own default
     length (24 tokens), proposing up to `draft_max` (its default floor of 48 proposed tokens would leave a short
     answer nothing). `eagle3`: the draft is an EAGLE-3 head, which drafts from the target's layer inputs. Shared by
     llama-server and llama-speculative-simple."""
+    missing = [lookup for lookup in lookups if lookup not in LLAMA_CPP_LOOKUPS]
+    if missing:
+        raise SpectuneError(f"llama.cpp has no speculator for {', '.join(missing)}: only spectune's own loop runs it")
     draft_type = "draft-eagle3" if eagle3 else "draft-simple"
-    spec_types = [ngram_type] * bool(ngram_n) + [draft_type] * (draft is not None)
+    spec_types = [ngram_type for _ in lookups] + [draft_type] * (draft is not None)
     flags = ["--spec-type", ",".join(spec_types), "--spec-draft-n-max", str(draft_max)] if spec_types else []
-    if ngram_n and ngram_type == "ngram-simple":
+    if lookups and ngram_type == "ngram-simple":
         flags += ["--spec-ngram-simple-size-n", str(ngram_n), "--spec-ngram-simple-size-m", str(draft_max)]
-    elif ngram_n:
+    elif lookups:
         flags += ["--spec-ngram-mod-n-min", "1", "--spec-ngram-mod-n-max", str(draft_max)]
     if draft is not None:
         flags += ["-md", str(draft), "--spec-draft-n-min", "0", "--spec-draft-p-min", str(p_min)]

@@ -10,10 +10,15 @@ import os
 import shutil
 import threading
 from pathlib import Path
+from typing import Any
+
+from pydantic import Field
 
 from spectune.atomic import atomic_path, scratch_path
+from spectune.config import Settings
 from spectune.errors import SpectuneError
 from spectune.export.converter import run_converter
+from spectune.export.imatrix import IMATRIX_TYPES, importance_matrix, quantize_with
 from spectune.layout import DEFAULT_QUANT
 from spectune.models.load import is_eagle3_head
 from spectune.runtime.llama import init_backend
@@ -24,6 +29,13 @@ CONVERTER_TYPES = {"F32": "f32", "F16": "f16", "BF16": "bf16", "Q8_0": "q8_0"}
 # llama_ftype values of libllama (include/llama.h) for what quantization produces.
 QUANT_FTYPES = {"F32": 0, "F16": 1, "Q4_0": 2, "Q8_0": 7, "Q4_K_S": 14, "Q4_K_M": 15, "Q5_K_M": 17, "Q6_K": 18}
 QUANT_TYPES = sorted(set(QUANT_FTYPES) | set(CONVERTER_TYPES))
+
+
+class QuantSettings(Settings):
+    """What a GGUF is quantized to (every verb and section that exports extends this)."""
+
+    quant: str = Field(DEFAULT_QUANT, description="GGUF type: " + ", ".join(QUANT_TYPES) + ".")
+    keep_f16: bool = Field(False, description="Keep the F16 GGUF quantization started from.")
 
 
 def check_quant(quant: str) -> str:
@@ -84,10 +96,13 @@ def export_model(
     quant: str = DEFAULT_QUANT,
     keep_f16: bool = False,
     target_model_dir: Path | None = None,
+    calibration: str | None = None,
+    report: dict[str, Any] | None = None,
 ) -> Path:
     """HF folder -> GGUF of `quant`; other quant types go through an F16 GGUF that libllama quantizes, made in a
     private temporary folder (kept as OUT.f16.gguf with `keep_f16`), so no file beside `out_file` is touched. An
-    EAGLE-3 head takes `target_model_dir`, the target it drafts for."""
+    EAGLE-3 head takes `target_model_dir`, the target it drafts for. With `calibration` text, a type that can use
+    one is quantized with an importance matrix of the model on it (export/imatrix.py), said in `report["imatrix"]`."""
     quant = check_quant(quant)
     model_dir, out_file = Path(model_dir), Path(out_file)
     if not model_dir.is_dir():
@@ -100,7 +115,13 @@ def export_model(
     scratch.mkdir(parents=True, exist_ok=True)
     try:
         intermediate = convert(model_dir, scratch / "model.f16.gguf", "F16", target_model_dir)
-        quantize(intermediate, out_file, quant)
+        if calibration is not None and quant in IMATRIX_TYPES:
+            matrix, info = importance_matrix(intermediate, calibration)
+            quantize_with(intermediate, out_file, quant, matrix)
+            if report is not None:
+                report["imatrix"] = info
+        else:
+            quantize(intermediate, out_file, quant)
         if keep_f16:
             os.replace(intermediate, out_file.with_name(out_file.stem + ".f16.gguf"))
     finally:

@@ -5,33 +5,35 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import shlex
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import Field
 
 from spectune.atomic import atomic_path
-from spectune.config import Settings
 from spectune.data.read import read_dialogues
-from spectune.engines.llama_cpp import SERVER
+from spectune.engines.llama_cpp import IMATRIX_TOOL, QUANTIZE_TOOL, SERVER, build_llama_cpp, tool_path
 from spectune.engines.llama_server import server_command
 from spectune.errors import SpectuneError
-from spectune.export.gguf import QUANT_TYPES, check_quant, export_model
+from spectune.export.gguf import QuantSettings, check_quant, export_model
 from spectune.export.llama_flags import check_command
-from spectune.layout import CHOSEN_PAIR, CONTROL_DRAFT, DEFAULT_QUANT, EXPORT_REPORT, SERVER_SCRIPT, TARGET, gguf_name
+from spectune.layout import CHOSEN_PAIR, CONTROL_DRAFT, EXPORT_REPORT, SERVER_SCRIPT, TARGET, gguf_name
 from spectune.models.load import is_eagle3_head, load_tokenizer
 from spectune.models.resolve import MODEL_REFERENCE, resolve_model
 from spectune.models.tokenizer_check import check_template, check_tokenizer
+from spectune.runtime.chosen import ChosenPair
 from spectune.runtime.decode import DecodeSettings
 from spectune.runtime.llama import LlamaModel
 from spectune.runtime.ngram import NGRAM
 from spectune.runtime.pair import check_pair
+from spectune.runtime.registry import Variant
 from spectune.speedup import DEFAULT_DRAFT_MAX, GPU_PROFILE
-from spectune.threads import thread_count
+from spectune.threads import ThreadsSettings, thread_count
 
 TOKENIZER_DIALOGUES = 500  # held-out dialogues the tokenizer identity is checked on, beside the stress strings
+# Training dialogues an importance matrix is computed on: llama-imatrix reads at most MAX_CHUNKS of them anyway
+CALIBRATION_DIALOGUES = 1000
 
 
 def fidelity(hf_dir: Path, gguf: Path, texts: list[str], threads: int | None = None) -> dict[str, Any]:
@@ -77,52 +79,67 @@ def fidelity(hf_dir: Path, gguf: Path, texts: list[str], threads: int | None = N
     }
 
 
-class ExportSettings(Settings):
+class ExportSettings(QuantSettings):
     """The `export:` section of a run config and the flags of `spectune export-pair`."""
 
-    quant: str = Field(DEFAULT_QUANT, description="GGUF type: " + ", ".join(QUANT_TYPES) + ".")
     fidelity_dialogues: int = Field(20, ge=0, description="Held-out dialogues the HF-vs-GGUF fidelity is measured on.")
+    imatrix: Literal["auto", "on", "off"] = Field(
+        "auto",
+        description="Quantize with an importance matrix of each model on the run's training dialogues (llama.cpp's "
+        "llama-imatrix and llama-quantize): on (builds the tools if needed), auto (where they are built), off.",
+    )
 
 
-class ExportPairConfig(ExportSettings):
+class ExportPairConfig(ExportSettings, ThreadsSettings):
     """Everything `spectune export-pair` takes."""
 
     target: Path = Field(description=f"The merged target: {MODEL_REFERENCE}.")
     drafts: dict[str, Path] = Field(description=f"Drafts by name, each {MODEL_REFERENCE}.")
     out: Path = Field(description="Output folder: the GGUFs, export.json, pair.json, llama-server.sh.")
     data: Path | None = Field(None, description="Held-out dialogues for the fidelity report.")
+    calibration_data: Path | None = Field(
+        None, description="Training dialogues each model's importance matrix is computed on (with --imatrix)."
+    )
     acceptance: Path | None = Field(
         None, description="An acceptance report: serve its best tuned draft at its recommended k."
     )
-    keep_f16: bool = Field(False, description="Keep the F16 GGUFs quantization started from.")
-    threads: int | None = Field(None, description="Threads for the served pair (default: $SPECTUNE_THREADS or all).")
 
 
-def choose_draft(drafts: list[str], acceptance: dict[str, Any] | None) -> tuple[str, int]:
-    """(variant to serve, its k): the tuned draft, or n-gram lookup in front of it (`ngram+DRAFT`), with the best
-    predicted GPU speedup at its recommended k."""
+def choose_draft(drafts: list[str], acceptance: dict[str, Any] | None) -> tuple[Variant, int]:
+    """(variant to serve, its k): the tuned draft, or n-gram lookup in front of it, with the best predicted GPU
+    speedup at its recommended k."""
     if acceptance is None:
-        return drafts[0], DEFAULT_DRAFT_MAX
+        return Variant(draft=drafts[0]), DEFAULT_DRAFT_MAX
     # each draft model, alone or with n-gram lookup in front (lookup alone is measured, but a pair serves a draft)
-    servable = {*drafts, *(f"{NGRAM}+{name}" for name in drafts)}
-    rows = {row["name"]: row for row in acceptance["drafts"] if row["name"] in servable}
-    tuned = [name for name in rows if name.removeprefix(f"{NGRAM}+") != CONTROL_DRAFT] or list(rows)
+    servable = [Variant(draft=name) for name in drafts] + [Variant((NGRAM,), name) for name in drafts]
+    rows = {row["name"]: row for row in acceptance["drafts"]}
+    measured = [variant for variant in servable if variant.name in rows]
+    tuned = [variant for variant in measured if variant.draft != CONTROL_DRAFT] or measured
     if not tuned:
         raise SpectuneError(f"the acceptance report has none of the drafts {', '.join(drafts)}")
-    best = max(tuned, key=lambda name: rows[name]["speedup"][GPU_PROFILE][str(rows[name]["recommended_k"])])
-    return best, rows[best]["recommended_k"]
+    row = {variant: rows[variant.name] for variant in tuned}
+    best = max(tuned, key=lambda variant: row[variant]["speedup"][GPU_PROFILE][str(row[variant]["recommended_k"])])
+    return best, row[best]["recommended_k"]
 
 
 def export_checked(
-    folder: Path, out_file: Path, quant: str, conversations: list[list[dict[str, str]]], fidelity_n: int, keep_f16: bool
+    config: ExportPairConfig,
+    folder: Path,
+    out_file: Path,
+    conversations: list[list[dict[str, str]]],
+    calibration: list[list[dict[str, str]]],
 ) -> dict:
-    """Export one model, check llama.cpp tokenizes like HF (stress strings and the held-out `conversations`) and
-    that the GGUF's chat template renders their prompts as HF's does, measure fidelity on the first `fidelity_n`."""
-    export_model(folder, out_file, quant, keep_f16=keep_f16)
+    """Export one model (with an importance matrix on the `calibration` dialogues, rendered with its own chat
+    template, where there are some), check llama.cpp tokenizes like HF (stress strings and the held-out
+    `conversations`) and that the GGUF's chat template renders their prompts as HF's does, measure fidelity on the
+    first `fidelity_dialogues`."""
     tokenizer = load_tokenizer(folder)
+    rendered = [tokenizer.apply_chat_template(messages, tokenize=False) for messages in calibration]
+    entry: dict[str, Any] = {"gguf": str(out_file)}
+    quant, keep_f16 = check_quant(config.quant), config.keep_f16
+    export_model(folder, out_file, quant, keep_f16=keep_f16, calibration="\n".join(rendered) or None, report=entry)
     texts = [tokenizer.apply_chat_template(messages, tokenize=False) for messages in conversations]
-    entry: dict[str, Any] = {
-        "gguf": str(out_file),
+    entry |= {
         "bytes": out_file.stat().st_size,
         "tokenizer_strings_checked": check_tokenizer(tokenizer, out_file, texts),
         "template_prompts_checked": check_template(tokenizer, out_file, conversations),
@@ -130,13 +147,23 @@ def export_checked(
     f16 = out_file.with_name(out_file.stem + ".f16.gguf")
     if f16.is_file():
         entry["f16_bytes"] = f16.stat().st_size
-    if texts[:fidelity_n]:
-        entry["fidelity"] = fidelity(folder, out_file, texts[:fidelity_n])
+    if texts[: config.fidelity_dialogues]:
+        entry["fidelity"] = fidelity(folder, out_file, texts[: config.fidelity_dialogues])
     return entry
 
 
+def matrix_use(config: ExportPairConfig) -> tuple[bool, str]:
+    """Whether this export quantizes with importance matrices, and why (what export.json and the stage say)."""
+    if config.imatrix == "off" or config.calibration_data is None:
+        return False, "imatrix off" if config.imatrix == "off" else "no training dialogues to compute it on"
+    if config.imatrix == "auto" and not all(tool_path(tool).is_file() for tool in (IMATRIX_TOOL, QUANTIZE_TOOL)):
+        return False, "llama.cpp's tools are not built (`spectune tools build-llama-cpp`, or export.imatrix: on)"
+    build_llama_cpp()  # cached where built
+    return True, f"computed on {config.calibration_data}"
+
+
 def held_out(data: Path | None, n: int) -> list[list[dict[str, str]]]:
-    """The first `n` held-out dialogues' messages."""
+    """The first `n` dialogues' messages of a dataset (none without one)."""
     return [] if data is None else [d.messages for d in read_dialogues(data).dialogues[:n]]
 
 
@@ -147,13 +174,13 @@ def export_pair(config: ExportPairConfig) -> dict[str, Any]:
     drafts = {name: resolve_model(path) for name, path in config.drafts.items()}
     config = config.model_copy(update={"target": resolve_model(config.target), "drafts": drafts})
     conversations = held_out(config.data, max(TOKENIZER_DIALOGUES, config.fidelity_dialogues))
-    fidelity_n = config.fidelity_dialogues
+    use_matrix, why = matrix_use(config)
+    calibration = held_out(config.calibration_data, CALIBRATION_DIALOGUES) if use_matrix else []
     target_file = config.out / gguf_name(TARGET, quant)
     report: dict[str, Any] = {
         "quant": quant,
-        "models": {
-            TARGET: export_checked(config.target, target_file, quant, conversations, fidelity_n, config.keep_f16)
-        },
+        "imatrix": {"used": use_matrix, "why": why},
+        "models": {TARGET: export_checked(config, config.target, target_file, conversations, calibration)},
         "pairs": {},
     }
     for name, folder in config.drafts.items():
@@ -162,9 +189,7 @@ def export_pair(config: ExportPairConfig) -> dict[str, Any]:
             export_model(folder, draft_file, quant, keep_f16=config.keep_f16, target_model_dir=config.target)
             report["models"][name] = {"gguf": str(draft_file), "bytes": draft_file.stat().st_size, "eagle3": True}
         else:
-            report["models"][name] = export_checked(
-                folder, draft_file, quant, conversations, fidelity_n, config.keep_f16
-            )
+            report["models"][name] = export_checked(config, folder, draft_file, conversations, calibration)
         report["pairs"][name] = check_pair(target_file, draft_file)
     with atomic_path(config.out / EXPORT_REPORT) as tmp:
         tmp.write_text(json.dumps(report, indent=2))
@@ -178,23 +203,21 @@ def write_pair(config: ExportPairConfig, acceptance: dict[str, Any] | None) -> d
     quant = check_quant(config.quant)
     target_file = config.out / gguf_name(TARGET, quant)
     variant, k = choose_draft(list(config.drafts), acceptance)
-    name = variant.removeprefix(f"{NGRAM}+")
-    ngram = acceptance["ngram"] if acceptance and variant != name else None
+    name = variant.draft or ""
     draft_file = config.out / gguf_name(name, quant)
-    eagle3 = is_eagle3_head(Path(config.drafts[name]))
-    # Paths relative to pair.json's folder: the run folder can be moved, copied to a server, served from anywhere.
-    chosen = {"target": target_file.name, "draft": draft_file.name, "draft_name": name, "k": k, "ngram": ngram}
-    chosen["eagle3"] = eagle3
-    chosen["ngram_data"] = (
-        os.path.relpath(Path(acceptance["ngram_data"]).resolve(), config.out.resolve())
-        if ngram and acceptance and acceptance.get("ngram_data")
-        else None
+    fronted = bool(acceptance and variant.lookups)
+    chosen = ChosenPair(
+        target=target_file,
+        draft=draft_file,
+        draft_name=name,
+        k=k,
+        ngram=acceptance["ngram"] if acceptance and fronted else None,
+        ngram_data=acceptance.get("ngram_data") if acceptance and fronted else None,
+        eagle3=is_eagle3_head(Path(config.drafts[name])),
+        # The HF folders they came from: what vLLM and SGLang serve (`spectune export --for vllm|sglang`).
+        target_hf=config.target,
+        draft_hf=Path(config.drafts[name]),
     )
-    # The HF folders they came from: what vLLM and SGLang serve (`spectune export --for vllm|sglang`).
-    chosen |= {
-        "target_hf": os.path.relpath(config.target.resolve(), config.out.resolve()),
-        "draft_hf": os.path.relpath(Path(config.drafts[name]).resolve(), config.out.resolve()),
-    }
     # Run from the GGUFs' folder (llama-server.sh changes to it), as pair.json names them.
     command = server_command(
         SERVER,
@@ -203,19 +226,19 @@ def write_pair(config: ExportPairConfig, acceptance: dict[str, Any] | None) -> d
         DecodeSettings(draft_max=k),
         thread_count(config.threads),
         port=8080,
-        ngram_n=ngram["min_n"] if ngram else 0,
-        eagle3=eagle3,
+        lookups=chosen.variant.lookups,
+        ngram=chosen.ngram,
+        eagle3=chosen.eagle3,
     )
     check_command(command)
     llama_server = shlex.join(command)
-    with atomic_path(config.out / CHOSEN_PAIR) as tmp:
-        tmp.write_text(json.dumps(chosen, indent=2))
+    chosen.write(config.out / CHOSEN_PAIR)
     with atomic_path(config.out / SERVER_SCRIPT) as tmp:
         tmp.write_text(
-            f"#!/bin/sh\n# llama.cpp's own server on the tuned pair: {variant}, k = {k} (its recommended k).\n"
+            f"#!/bin/sh\n# llama.cpp's own server on the tuned pair: {variant.name}, k = {k} (its recommended k).\n"
             "# GGML_CPU_TILED_MM=0, --no-repack and -fa off keep batched logits equal to one-token ones.\n"
             "# The GGUFs are named relative to this script's folder, so the run folder can move.\n"
             'cd "$(dirname "$0")" || exit 1\n'
             f'GGML_CPU_TILED_MM=0 exec {llama_server} "$@"\n'
         )
-    return {"chosen": chosen, "llama_server": llama_server}
+    return {"chosen": chosen.model_dump(mode="json"), "llama_server": llama_server}

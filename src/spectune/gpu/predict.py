@@ -17,6 +17,7 @@ from spectune.errors import SpectuneError
 from spectune.gpu.card import Band, GpuCard, card_named, custom_card, reference_card
 from spectune.gpu.published import published
 from spectune.runtime.profile import gguf_weights
+from spectune.runtime.registry import Variant
 from spectune.speedup import (
     MAX_DRAFT_LEN,
     Q4_K_M_BITS,
@@ -146,7 +147,7 @@ def best_k(
 def _bench_draft(name: str, bytes_c: float, target: Weights, drafts: dict[str, Weights]) -> tuple[Weights, float]:
     """A bench variant's draft model and the share of its proposals the model made (lookup in front costs nothing):
     its bytes c over the model's own (a variant `ngram+seqkd` runs the draft given as `seqkd`)."""
-    model = name.split("+")[-1]
+    model = Variant.parse(name).draft or ""
     if model not in drafts:
         raise SpectuneError(f"{name}: give the draft model's shape, --drafts {model}=SPEC (its c needs its layers)")
     draft = drafts[model]

@@ -26,10 +26,9 @@ import numpy as np
 
 from spectune.errors import SpectuneError
 from spectune.runtime.build import build_features, read_gguf
-from spectune.threads import thread_count
+from spectune.threads import DEFAULT_N_CTX, thread_count
 
 _backend_ready = False
-DEFAULT_N_CTX = 2048  # a model's context where its user names none
 
 
 def init_backend() -> None:

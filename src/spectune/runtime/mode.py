@@ -13,17 +13,18 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import Field
 
 from spectune.config import Settings
 from spectune.runtime.chat import chat_tokens
 from spectune.runtime.decode import DecodeSettings
+from spectune.runtime.draft_model import DRAFT
 from spectune.runtime.llama import LlamaModel
-from spectune.runtime.ngram import NgramDrafter
+from spectune.runtime.registry import Variant
 from spectune.runtime.speculative import SpeculativeDecoder
 
 Mode = Literal["auto", "speculative", "fastest"]
@@ -74,21 +75,23 @@ class DecoderSource:
 
     target: Path
     draft: Path | None
-    ngram: Callable[[], NgramDrafter] | None  # a fresh lookup per decoder (its conversation table is its own)
     n_ctx: int
     threads: int | None
     exact: bool  # the speculative mode's setting (fastest is never exact)
+    lookups: tuple[str, ...] = ()  # model-free speculators in front of the draft, in order (runtime/registry.py)
+    setups: dict[str, Any] = field(default_factory=dict)  # what the verb gave each of them (n-gram: NgramSetup)
 
     @property
     def speculates(self) -> bool:
-        return self.draft is not None or self.ngram is not None
+        return self.draft is not None or bool(self.lookups)
 
     def load(self, mode: Chosen) -> SpeculativeDecoder:
         if mode == "fastest":
             return SpeculativeDecoder(LlamaModel(self.target, n_ctx=self.n_ctx, threads=self.threads, exact=False))
         target = LlamaModel(self.target, n_ctx=self.n_ctx, threads=self.threads, exact=self.exact)
         draft = LlamaModel(self.draft, n_ctx=self.n_ctx, threads=self.threads, exact=self.exact) if self.draft else None
-        return SpeculativeDecoder(target, draft, self.ngram() if self.ngram else None)
+        variant = Variant(self.lookups, DRAFT if draft else None)
+        return SpeculativeDecoder(target, variant.speculators(target, draft, self.setups))
 
 
 def choose(
@@ -123,9 +126,8 @@ def choose(
 
 def close(decoder: SpeculativeDecoder) -> None:
     """Free a decoder's models now (not at the garbage collector's leisure: a repacked target is a copy)."""
-    decoder.target.close()
-    if decoder.drafter is not None and decoder.drafter.model is not None:
-        decoder.drafter.model.close()
+    for model in [decoder.target, *decoder.speculators.models]:
+        model.close()
 
 
 def calibrate(

@@ -20,8 +20,10 @@ from dataclasses import dataclass, field
 from pydantic import Field, model_validator
 
 from spectune.config import Settings
+from spectune.runtime.sampling import Sampler
+from spectune.runtime.speculators import Proposal
 
-NGRAM = "ngram"  # the n-gram variants: `ngram` alone, `ngram+DRAFT` in front of a draft model
+NGRAM = "ngram"  # the n-gram lookup speculator's name
 
 
 class NgramSettings(Settings):
@@ -178,3 +180,35 @@ class NgramDrafter:
         for index, (kind, table_chance) in enumerate(proposal.evidence[: accepted + 1]):
             self.kept[kind] += index < accepted
             self.expected[kind] += table_chance
+
+
+@dataclass(frozen=True)
+class NgramSetup:
+    """What a verb gives n-gram lookup: its settings and the domain table (built once, read by every instance)."""
+
+    settings: NgramSettings
+    domain: NgramTable | None = None
+
+
+class NgramSpeculator:
+    """n-gram lookup as a speculator (runtime/speculators.py); its conversation table is its own."""
+
+    name = NGRAM
+    model = None
+
+    def __init__(self, setup: NgramSetup, is_end: Callable[[int], bool]) -> None:
+        self.drafter, self.is_end = NgramDrafter(setup.settings, setup.domain), is_end
+
+    def propose(self, sequence: list[int], k: int, sampler: Sampler, p_min: float) -> Proposal:
+        looked_up = self.drafter.propose(sequence, k, self.is_end)
+        return Proposal(looked_up.tokens, source=NGRAM, from_context=looked_up.from_context, evidence=looked_up)
+
+    def verified(self, proposal: Proposal, accepted: int) -> None:
+        assert isinstance(proposal.evidence, NgramProposal)
+        self.drafter.verified(proposal.evidence, accepted)
+
+    def behind(self, sequence: list[int]) -> int:
+        return 0
+
+    def forget(self) -> None:
+        self.drafter.forget()

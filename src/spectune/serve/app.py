@@ -27,7 +27,7 @@ from spectune.runtime.build import identity_verdict
 from spectune.runtime.chat import CLAUSE_END, chat_tokens
 from spectune.runtime.decode import DecodeSettings
 from spectune.runtime.mode import choose
-from spectune.runtime.speculative import Stats
+from spectune.runtime.stats import Stats
 from spectune.serve.config import ServeConfig
 from spectune.serve.connections import BODY_TIMED_OUT
 from spectune.serve.guard import Guard

@@ -8,11 +8,14 @@ from typing import Literal
 from pydantic import Field, model_validator
 
 from spectune.layout import RunLayout
+from spectune.runtime.chosen import ChosenPair
 from spectune.runtime.decode import DecodeSettings
+from spectune.runtime.first_words import FirstWords
 from spectune.runtime.llama import is_eagle3_gguf
 from spectune.runtime.mode import ModeSettings
-from spectune.runtime.ngram import NgramSettings
-from spectune.runtime.speculative import FirstWords
+from spectune.runtime.ngram import NGRAM, NgramSettings
+from spectune.runtime.registry import SpeculatorSettings
+from spectune.threads import LlamaSettings
 
 # What llama-server has no equivalent for (its request size, queue, time and connection limits are its own).
 SPECTUNE_ONLY = {
@@ -27,6 +30,7 @@ SPECTUNE_ONLY = {
     "keep_alive",
     "first_words",
     "ngram_data",  # llama-server's n-gram speculator reads the conversation only
+    "speculators",  # llama-server has its own list (--spec-type): n-gram lookup is handed to it by --ngram
     "stop",  # a request's own stop strings reach llama-server; it has no server-wide default
     "min_tokens",
     "adaptive",
@@ -35,7 +39,7 @@ SPECTUNE_ONLY = {
 }
 
 
-class ServeConfig(DecodeSettings, ModeSettings):
+class ServeConfig(DecodeSettings, ModeSettings, LlamaSettings, SpeculatorSettings):
     """Everything `spectune serve` takes; the decoding settings are the defaults of a request that names none
     (as llama-server's -n, --temp, --top-k, ...)."""
 
@@ -51,10 +55,8 @@ class ServeConfig(DecodeSettings, ModeSettings):
     host: str = Field("127.0.0.1", description="Bind address (loopback by default).")
     port: int = Field(8000, ge=0, le=65535, description="Port.")
     slots: int = Field(1, ge=1, description="Concurrent generations (each its own contexts).")
-    n_ctx: int = Field(4096, ge=64, description="Context length per slot.")
     queue_timeout: float = Field(30.0, gt=0, description="Seconds a request may wait for a slot, then 503.")
     api_key: str | None = Field(None, min_length=1, description="Require this bearer token (also $SPECTUNE_API_KEY).")
-    threads: int | None = Field(None, ge=1, description="Threads for llama.cpp (default: $SPECTUNE_THREADS or all).")
     max_request_bytes: int = Field(1 << 20, ge=1024, description="Largest request body (413 past it).")
     max_seconds: float = Field(120.0, gt=0, description="Longest a generation may run (then finish_reason length).")
     model_name: str = Field("spectune", description="The model id the API reports.")
@@ -83,6 +85,11 @@ class ServeConfig(DecodeSettings, ModeSettings):
         None, description="Chat dataset whose assistant turns fill the n-gram domain table (the target's answers)."
     )
 
+    @property
+    def lookups(self) -> tuple[str, ...]:
+        """The model-free speculators in front of the draft: n-gram lookup where --ngram is given, then the rest."""
+        return tuple(dict.fromkeys([*[NGRAM] * (self.ngram is not None), *self.speculators]))
+
     @model_validator(mode="after")
     def _pair(self) -> ServeConfig:
         own = sorted(SPECTUNE_ONLY & self.model_fields_set)
@@ -90,17 +97,17 @@ class ServeConfig(DecodeSettings, ModeSettings):
             raise ValueError(f"{', '.join(own)}: settings of spectune's own server, not of --engine llama.cpp")
         recommended_k = None
         if self.run is not None:  # the run's chosen pair, where the flags do not say otherwise
-            chosen = RunLayout(self.run).read_chosen_pair()
-            self.target = self.target or Path(chosen["target"])
-            self.draft = self.draft or Path(chosen["draft"])
-            recommended_k = chosen["k"]
-            eval_file = RunLayout(self.run).eval_file
-            self.calibration_data = self.calibration_data or (eval_file if eval_file.is_file() else None)
-            if "ngram" not in self.model_fields_set and chosen.get("ngram") is not None:
-                self.ngram = NgramSettings.model_validate(chosen["ngram"])
+            layout = RunLayout(self.run)
+            chosen = ChosenPair.read(layout.chosen_pair)
+            self.target = self.target or chosen.target
+            self.draft = self.draft or chosen.draft
+            recommended_k = chosen.k
+            self.calibration_data = self.calibration_data or (layout.eval_file if layout.eval_file.is_file() else None)
+            if "ngram" not in self.model_fields_set and chosen.ngram is not None:
+                self.ngram = chosen.ngram
                 # llama-server's n-gram speculator reads the conversation only
-                use_data = self.engine == "spectune" and not self.ngram_data and chosen.get("ngram_data")
-                self.ngram_data = Path(chosen["ngram_data"]) if use_data else self.ngram_data
+                use_data = self.engine == "spectune" and not self.ngram_data
+                self.ngram_data = chosen.ngram_data if use_data else self.ngram_data
         if self.target is None:
             raise ValueError("give --target (and --draft), or --run RUN_DIR")
         if self.ngram_data is not None and self.ngram is None:

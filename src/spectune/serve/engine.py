@@ -32,7 +32,8 @@ def start_llama_server(config: ServeConfig, log: IO[str] | None = None, ready: f
         n_ctx=config.n_ctx,
         slots=config.slots,
         model_name=config.model_name,
-        ngram_n=config.ngram.min_n if config.ngram else 0,
+        lookups=config.lookups,
+        ngram=config.ngram,
         eagle3=config.draft is not None and is_eagle3_gguf(config.draft),
     )
     check_command(command)  # a flag the pinned llama.cpp does not know fails here, not in the child

@@ -11,7 +11,9 @@ import uuid
 from typing import Any
 
 from spectune.runtime.decode import DecodeSettings
-from spectune.runtime.speculative import FirstWords, Generation, Stats
+from spectune.runtime.first_words import FirstWords
+from spectune.runtime.speculative import Generation
+from spectune.runtime.stats import Stats
 from spectune.serve.config import ServeConfig
 from spectune.serve.slots import Slot
 
@@ -42,8 +44,7 @@ def stats_json(stats: Stats) -> dict[str, Any]:
         "draft_reused_prompt_tokens",
         "draft_seconds",
         "verify_seconds",
-        "ngram_drafted",
-        "ngram_accepted",
+        "by_source",  # per speculator that proposed: steps, drafted, accepted
     )
     values = stats.as_dict()
     return {key: values[key] for key in keys}

@@ -3,7 +3,6 @@ slot's decoder is loaded from."""
 
 from __future__ import annotations
 
-import functools
 from pathlib import Path
 
 from spectune.data.prepare import read_prompts
@@ -11,7 +10,7 @@ from spectune.data.read import assistant_turns
 from spectune.errors import SpectuneError
 from spectune.runtime.llama import LlamaModel
 from spectune.runtime.mode import CALIBRATION_PROMPTS, DecoderSource
-from spectune.runtime.ngram import NgramDrafter, NgramSettings, NgramTable, domain_of_texts
+from spectune.runtime.ngram import NGRAM, NgramSettings, NgramSetup, NgramTable, domain_of_texts
 from spectune.runtime.speculative import SpeculativeDecoder
 from spectune.serve.config import ServeConfig
 
@@ -42,14 +41,13 @@ def calibration_conversations(data: Path | None, count: int = len(CALIBRATION_PR
 
 def decoder_source(config: ServeConfig) -> DecoderSource:
     """What each slot's decoder is loaded from."""
-    domain = ngram_domain(config)
-    ngram = functools.partial(NgramDrafter, config.ngram, domain) if config.ngram else None
-    return DecoderSource(config.target, config.draft, ngram, config.n_ctx, config.threads, config.exact)
-
-
-def ngram_domain(config: ServeConfig) -> NgramTable | None:
-    """The n-gram domain table every slot reads (built once)."""
-    return domain_table(config.target, config.ngram, config.ngram_data) if config.ngram else None
+    assert config.target is not None  # ServeConfig's validator sees to it
+    setups: dict[str, NgramSetup] = {}
+    if config.ngram:  # n-gram lookup's domain table is built once and read by every slot
+        setups[NGRAM] = NgramSetup(config.ngram, domain_table(config.target, config.ngram, config.ngram_data))
+    return DecoderSource(
+        config.target, config.draft, config.n_ctx, config.threads, config.exact, config.lookups, setups
+    )
 
 
 def domain_table(target: Path, settings: NgramSettings, data: Path | None) -> NgramTable:

@@ -10,73 +10,22 @@ speculative sampling is α = E[Σ_x min(p(x), q(x))], from both distributions.
 from __future__ import annotations
 
 import dataclasses
-import functools
-import json
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
-from pathlib import Path
+from dataclasses import dataclass, field
 from typing import Any
 
-from pydantic import Field
-
-from spectune.atomic import atomic_path
-from spectune.config import Settings
-from spectune.data.prepare import read_prompts
-from spectune.data.read import assistant_turns
-from spectune.errors import SpectuneError
-from spectune.gpu.card import GROUNDED_PROFILE, reference_card
-from spectune.layout import TARGET
-from spectune.models.load import is_eagle3_head, load_tokenizer
-from spectune.models.resolve import MODEL_REFERENCE, resolve_model
-from spectune.runtime.decode import DEFAULT_MAX_TOKENS
-from spectune.runtime.ngram import NGRAM, NgramDrafter, NgramSettings, NgramTable, domain_of_texts
-from spectune.runtime.profile import gguf_weights
+from spectune.runtime.ngram import NGRAM, NgramDrafter, NgramSettings, NgramTable
+from spectune.runtime.registry import Variant
 from spectune.speedup import (
     GPU_PROFILE,
     MAX_DRAFT_LEN,
-    Weights,
     expected_tokens,
     speedup,
-    step_cost_ratio,
     verify_ratio_at,
 )
-from spectune.threads import configure_torch_threads
 from spectune.train.common import greedy_answer
-from spectune.train.eagle3 import chain_matches, load_head
-
-HERE = "here"  # the key of a profile measured on this machine
-
-
-class AcceptanceSettings(Settings):
-    """The offline meter's settings: the `acceptance:` section of a run config and flags of `spectune acceptance`."""
-
-    n: int = Field(30, ge=1, description="Held-out prompts the target answers.")
-    max_tokens: int = Field(DEFAULT_MAX_TOKENS, ge=1, description="Longest target answer.")
-    temperature: float = Field(0.0, ge=0.0, description="Also measure sampling acceptance at this temperature.")
-
-
-class AcceptanceConfig(AcceptanceSettings):
-    """Everything `spectune acceptance` takes."""
-
-    target: Path = Field(description=f"The (fine-tuned, merged) target: {MODEL_REFERENCE}.")
-    drafts: dict[str, Path] = Field(description=f"Drafts by name, each {MODEL_REFERENCE}.")
-    data: Path = Field(description="Held-out prompts: a chat dataset or a `data prompts` file.")
-    profile: Path | None = Field(
-        None, description="Measured profile JSON (cost_ratio, verify_ratio): a pair manifest or a bench report."
-    )
-    ngram: NgramSettings | None = Field(
-        None, description="Also n-gram lookup: `ngram` alone, and `ngram+DRAFT` in front of every draft."
-    )
-    ngram_data: Path | None = Field(
-        None, description="The n-gram domain table's answers (chat JSONL: the tuned target's own, from seqkd)."
-    )
-    ggufs: dict[str, Path] = Field(
-        {},
-        description="The exported GGUFs by name (the target's as `target`): c on a GPU is what a step reads of them "
-        "in bytes, as the bench predicts with; without them, of the HF weights (elements, one width for both).",
-    )
-    json_out: Path | None = Field(None, description="Also write the results as JSON here.")
+from spectune.train.eagle3_head import chain_matches
 
 
 @dataclass
@@ -336,119 +285,11 @@ def measure(
         results.append(acceptance_row(NGRAM, lengths, free, lookup, model=False))
         for name in all_matches:
             chains = all_chains.get(name)
-            results.append(acceptance_row(f"{NGRAM}+{name}", all_matches[name], profiles[name], lookup, chains=chains))
+            fronted = Variant((NGRAM,), name).name
+            results.append(acceptance_row(fronted, all_matches[name], profiles[name], lookup, chains=chains))
     return results
 
 
 def encode(tokenizer: Any, text: str, special: bool) -> list[int]:
     """Token ids of `text`; with `special`, the tokenizer's own (a BOS where it adds one)."""
     return tokenizer.encode(text, add_special_tokens=special)
-
-
-def load_models(target: Path, drafts: dict[str, Path]) -> tuple[Any, dict[str, Any], dict[str, Any], Any]:
-    """The target, the draft models, the EAGLE-3 heads (on the target's embedding) and the tokenizer."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    def load(path: Path) -> Any:
-        return AutoModelForCausalLM.from_pretrained(str(path), local_files_only=True, dtype=torch.float32).eval()
-
-    target = resolve_model(target)
-    target_model = load(target)
-    paths = {name: resolve_model(path) for name, path in drafts.items()}
-    models = {name: load(path) for name, path in paths.items() if not is_eagle3_head(path)}
-    heads = {name: load_head(path, target_model) for name, path in paths.items() if is_eagle3_head(path)}
-    return target_model, models, heads, load_tokenizer(target)
-
-
-def module_weights(model: Any) -> Weights:
-    """An HF model's weights in elements (a tied head and embedding share one table); an EAGLE-3 head's own (it
-    reads one row of the target's embedding)."""
-    if not hasattr(model, "get_input_embeddings"):
-        return Weights(total=sum(p.numel() for p in model.parameters()), embedding=0, rows=1, tied=False)
-    embedding = model.get_input_embeddings().weight
-    head = model.get_output_embeddings()
-    return Weights(
-        total=sum(p.numel() for p in model.parameters()),  # parameters() yields a shared table once
-        embedding=embedding.numel(),
-        rows=embedding.shape[0],
-        tied=head is not None and head.weight is embedding,
-    )
-
-
-def gpu_profiles(config: AcceptanceConfig, target: Any, drafts: dict[str, Any]) -> dict[str, list[Profile]]:
-    """Each draft's GPU profiles: memory-bound decoding, r = 1, c what its step reads over what the target's does
-    (see step_cost_ratio), of the GGUFs where given, else of the HF weights; and, with GGUFs, the reference card's
-    c and r predicted on the reference card (spectune.gpu), which need bytes and layers."""
-    if config.ggufs:
-        missing = sorted({TARGET, *drafts} - set(config.ggufs))
-        if missing:
-            raise SpectuneError(f"ggufs: no GGUF for {', '.join(missing)} (give the target's and every draft's)")
-        weights = {name: gguf_weights(path) for name, path in config.ggufs.items()}
-        source = "GGUF bytes"
-    else:
-        weights = {TARGET: module_weights(target)} | {name: module_weights(draft) for name, draft in drafts.items()}
-        source = "HF weights"
-    card = reference_card()
-    profiles = {}
-    for name in drafts:
-        bytes_only = round(step_cost_ratio(weights[name], weights[TARGET]), 4)
-        profiles[name] = [Profile(GPU_PROFILE, f"gpu (memory-bound, predicted; c by {source})", bytes_only)]
-        if config.ggufs:  # the card's model needs bytes and layers
-            grounded_c = round(card.cost_ratio(weights[name], weights[TARGET]), 4)
-            low_c, high_c = card.cost_ratio_band(weights[name], weights[TARGET])
-            name_on_card = f"{card.label}, c {low_c:.3f}-{high_c:.3f} (fitted on published llama.cpp figures)"
-            profiles[name].append(
-                Profile(GROUNDED_PROFILE, name_on_card, grounded_c, card.verify_ratios(weights[TARGET]))
-            )
-    return profiles
-
-
-def read_profile(path: Path) -> Profile:
-    """A measured profile from JSON: a profile object, or a pair manifest holding one `profile_<quant>`."""
-    loaded = json.loads(path.read_text())
-    measured = sorted(key for key in loaded if key.startswith("profile_"))
-    if len(measured) > 1:
-        raise SpectuneError(f"{path}: profiles at several quant types ({', '.join(measured)}); give one profile's JSON")
-    loaded = loaded[measured[0]] if measured else loaded.get("profile", loaded)
-    if "cost_ratio" not in loaded or "verify_ratio" not in loaded:
-        raise SpectuneError(f"{path}: no cost_ratio / verify_ratio (a profile or a pair manifest)")
-    return Profile(
-        HERE,
-        f"here ({loaded.get('machine', 'measured')})",
-        float(loaded["cost_ratio"]),
-        {str(n): float(r) for n, r in loaded["verify_ratio"].items()},
-    )
-
-
-def run_acceptance(config: AcceptanceConfig) -> dict[str, Any]:
-    """The `spectune acceptance` stage: every draft against the target, on `n` held-out prompts."""
-    configure_torch_threads()
-    measured = [read_profile(config.profile)] if config.profile is not None else []
-    prompts = read_prompts(config.data)[: config.n]
-    target_model, draft_models, heads, tokenizer = load_models(config.target, config.drafts)
-    gpu = gpu_profiles(config, target_model, draft_models | heads)
-    # a measured profile is the draft model's c here: no head has one (llama.cpp's eagle3 runs only as a pair)
-    profiles = {name: [*measured, *gpu[name]] for name in draft_models} | {name: gpu[name] for name in heads}
-    ngram = None
-    if config.ngram is not None:
-        answers = assistant_turns(config.ngram_data) if config.ngram_data else []
-        ngram = (config.ngram, domain_of_texts(config.ngram, answers, functools.partial(encode, tokenizer)))
-    results = measure(
-        target_model, draft_models, tokenizer, prompts, profiles, config.max_tokens, config.temperature, ngram, heads
-    )
-    report = {
-        "target": str(config.target),
-        "data": str(config.data),
-        "prompts": len(prompts),
-        "temperature": config.temperature,
-        # the profiles' keys and names; each draft's c is in its row
-        "profiles": [{"key": p.key, "name": p.name} for p in next(iter(profiles.values()))],
-        "ngram": config.ngram.model_dump() if config.ngram else None,
-        "ngram_data": str(config.ngram_data) if config.ngram and config.ngram_data else None,
-        "drafts": [json.loads(json.dumps(asdict(r))) for r in results],  # int keys -> str, as in the file
-    }
-    if config.json_out is not None:
-        with atomic_path(config.json_out) as tmp:
-            tmp.write_text(json.dumps(report, indent=2))
-    return report

@@ -1,0 +1,115 @@
+"""`spectune run` and `spectune demo`: the whole pipeline, and the story it ends with."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import typer
+from pydantic import Field
+from rich.table import Table
+
+from spectune.bench.summary import grounded_figure
+from spectune.cli.shared import VerboseSettings, console
+from spectune.config import positional
+from spectune.flags import config_command
+from spectune.layout import RunLayout
+from spectune.models.world import RECIPES
+from spectune.pipeline.config import demo_config, load_run_config
+from spectune.pipeline.run import dry_run as plan_run
+from spectune.pipeline.run import run_pipeline
+from spectune.runtime.chosen import ChosenPair
+from spectune.story import story
+
+app = typer.Typer()
+
+
+class RunCommandConfig(VerboseSettings):
+    run_config: Path = Field(**positional("Run config (YAML); see configs/ for examples."))
+    from_stage: str | None = Field(None, description="Rerun from this stage on.", json_schema_extra={"flag": "--from"})
+    only: str | None = Field(None, description="Rerun only this stage.")
+    dry_run: bool = Field(False, description="Check the config and paths, print each stage's settings; run nothing.")
+
+
+@config_command(app, RunCommandConfig, name="run")
+def run_command(config: RunCommandConfig) -> None:
+    """The whole pipeline: data -> QLoRA target -> merge -> drafts -> export -> acceptance -> bench -> report."""
+    story.verbose = config.verbose
+    if config.dry_run:
+        typer.echo(json.dumps(plan_run(load_run_config(config.run_config)), indent=2))
+        return
+    summary = run_pipeline(load_run_config(config.run_config), config.from_stage, config.only)
+    console.print(summary["line"], markup=False)
+
+
+class DemoConfig(VerboseSettings):
+    size: str = Field("demo", description="demo (default), micro (a quick look) or medium (~1 h).")
+    run_dir: Path | None = Field(None, description="Run folder (default runs/demo, runs/demo-SIZE).")
+
+
+@config_command(app, DemoConfig)
+def demo(config: DemoConfig) -> None:
+    """The whole story on the built-in default: demo pair, generated voice-bot dialogues, all stages."""
+    story.verbose = config.verbose
+    run_config = demo_config(config.size, config.run_dir)
+    recipe = RECIPES[config.size]
+    narrower = recipe.target.hidden // recipe.draft.hidden
+    console.print(
+        f"[bold]spectune demo[/]: a {recipe.target.hidden} x {recipe.target.layers} target fine-tuned with QLoRA on "
+        f"{run_config.data.demo_dialogues:,} voice-bot dialogues, and drafts {narrower}x "
+        f"narrower that learn to think like it ({', '.join(run_config.drafts.methods)}), beside the off-the-shelf "
+        "one: how many of the target's tokens each draft guesses, and what that buys with answers identical to the "
+        "target alone, at 4 bits on llama.cpp."
+    )
+    summary = run_pipeline(run_config)
+    print_story(summary, run_config.layout)
+
+
+def print_story(summary: dict[str, Any], layout: RunLayout) -> None:
+    """The demo's last lines: per draft what it guessed, what that predicts on a GPU and measures here."""
+    # Short headers, the shared figures in the caption: one row a line in an 80-column terminal (the report has all).
+    first = next(iter(summary["bench"].values()))
+    table = Table(
+        title="speculative decoding, the target alone = 1.00x",
+        caption=f"GPU: predicted, c = {first['gpu_cost_ratio']:.2f} (bytes a step reads). card: "
+        f"{first['gpu_card']}, c and r fitted on published llama.cpp figures. CPU: measured here, all "
+        f"{first['total_tokens']:,} tokens over all decode time. same: answers identical to the target alone's.",
+    )
+    for column in ("draft", "k", "accept", "tok/pass", "GPU", "card", "CPU", "same"):
+        table.add_column(column, justify="left" if column == "draft" else "right")
+    for name, s in summary["bench"].items():
+        table.add_row(
+            name,
+            str(s["draft_max"]),
+            f"{s['acceptance']:.0%}",
+            f"{s['mean_accepted_len']:.2f}",
+            f"{s['predicted_speedup_gpu']:.2f}x",
+            grounded_figure(s),
+            f"{s['aggregate_speedup']:.2f}x",
+            f"{s['identical']}/{s['n']}",
+        )
+    console.print()
+    console.print(table)
+    chosen = ChosenPair.read(layout.chosen_pair)
+    if chosen.eagle3:
+        console.print(
+            f"\nThe pair serves an EAGLE-3 head at k = {chosen.k}: llama.cpp runs it, spectune's own loop cannot. "
+            f"Serve it: {layout.server_script}, or spectune serve --run {layout.root} --engine llama.cpp; measure "
+            f"it: python benchmarks/eagle3.py {layout.root}"
+        )
+        return
+    best = summary["bench"][chosen.draft_name]
+    profile = best["profile"]
+    console.print(
+        f"Why CPU and GPU differ: here verifying {best['draft_max'] + 1} tokens costs {best['verify_ratio']:.1f}x one "
+        "(decoding on a small CPU is compute-bound), on a GPU about 1x (memory-bound), so the same guesses pay off "
+        f"there. Measured: target {profile['target_ms_per_token']:.2f} ms/token, draft "
+        f"{profile['draft_ms_per_token']:.2f} ms/token (c = {profile['cost_ratio']:.3f}). Report: {layout.report}"
+    )
+    console.print(
+        f"\nChat with the result:\n  spectune generate --chat --target {chosen.target} --draft {chosen.draft} "
+        f"--draft-max {chosen.k}\n"
+        f"Serve it to a voice bot (OpenAI-compatible, streaming):\n  spectune serve --run {layout.root}\n"
+        f"or with llama.cpp's own server: {layout.server_script}"
+    )
