@@ -46,7 +46,7 @@ def measure_model(folder: Path, args: argparse.Namespace, scratch: Path) -> dict
     calibration = "\n".join(rendered(folder, args.train, args.calibration))
     texts = rendered(folder, args.eval, args.fidelity)
     f16, convert_seconds = timed(convert, folder, scratch / "model.f16.gguf", "F16")
-    (matrix, _), matrix_seconds = timed(imatrix.importance_matrix, f16, calibration, args.threads)
+    (matrix, _), matrix_seconds = timed(imatrix.importance_matrix, f16, calibration, args.threads, args.chunks)
     row = {
         "hf": str(folder),
         "calibration_characters": len(calibration),
@@ -95,6 +95,7 @@ def main() -> None:
     parser.add_argument("--quant", action="append", default=None, help="Quant type (repeat; default Q4_K_M).")
     parser.add_argument("--calibration", type=int, default=1000, help="Training dialogues the matrix reads.")
     parser.add_argument("--fidelity", type=int, default=20, help="Held-out dialogues fidelity is measured on.")
+    parser.add_argument("--chunks", type=int, default=imatrix.MAX_CHUNKS, help="Chunks of 512 tokens the matrix reads.")
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--name", required=True)
     args = parser.parse_args()
@@ -111,7 +112,7 @@ def main() -> None:
         "calibration_dialogues": args.calibration,
         "fidelity_dialogues": args.fidelity,
         "chunk_tokens": imatrix.CHUNK_TOKENS,
-        "max_chunks": imatrix.MAX_CHUNKS,
+        "max_chunks": args.chunks,
         "models": {},
     }
     for name, folder in models.items():

@@ -150,7 +150,10 @@ FIGURES: dict[str, Callable[[dict[str, Any]], str]] = {
         f"{out['steps']} steps, {out['parameters']:,} parameters, held-out accuracy by draft step "
         f"{out['accuracy_before']} -> {out['accuracy_after']}"
     ),
-    "export": lambda out: f"{len(out['files'])} GGUFs at {out['reports']['quant']}",
+    "export": lambda out: (
+        f"{len(out['files'])} GGUFs at {out['reports']['quant']}"
+        + (", with importance matrices" if out["reports"].get("imatrix", {}).get("used") else "")
+    ),
     "acceptance": lambda out: (
         "accepted "
         + ", ".join(f"{row['name']} {row['alpha']:.0%}" for row in out["drafts"])
