@@ -19,6 +19,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from never_slower import shown
+
 from spectune.atomic import atomic_path
 from spectune.export import imatrix
 from spectune.export.gguf import convert, quantize
@@ -48,7 +50,7 @@ def measure_model(folder: Path, args: argparse.Namespace, scratch: Path) -> dict
     f16, convert_seconds = timed(convert, folder, scratch / "model.f16.gguf", "F16")
     (matrix, _), matrix_seconds = timed(imatrix.importance_matrix, f16, calibration, args.threads, args.chunks)
     row = {
-        "hf": str(folder),
+        "hf": shown(folder),
         "calibration_characters": len(calibration),
         "convert_seconds": convert_seconds,
         "imatrix_seconds": matrix_seconds,
@@ -104,7 +106,11 @@ def main() -> None:
     configure_torch_threads(args.threads)
     models = dict(item.split("=", 1) for item in args.model)
     report = {
-        "command": "python benchmarks/imatrix.py " + " ".join(f"--model {item}" for item in args.model),
+        "command": "python benchmarks/imatrix.py "
+        + " ".join(f"--model {name}={shown(Path(folder))}" for name, folder in models.items())
+        + f" --train {args.train} --eval {args.eval} "
+        + " ".join(f"--quant {quant}" for quant in args.quant)
+        + f" --chunks {args.chunks} --name {args.name}",
         "machine": f"{platform.machine()} {platform.processor() or ''}".strip() + f", {args.threads} threads",
         "build": build_name(),
         "train": str(args.train),

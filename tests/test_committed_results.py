@@ -50,9 +50,9 @@ def test_every_summary_is_what_its_rows_say_with_todays_code(path):
     checked = 0
     for name, committed in drafts_of(result).items():
         has_model = Variant.parse(name).draft is not None
-        fresh = measured_figures(name, result["prompts"], has_model)
+        pooled = Pooled.of([row["variants"][name] for row in result["prompts"]], has_model)
+        fresh = measured_figures(name, result["prompts"], pooled)
         if "profile" in committed:
-            pooled = Pooled.of([row["variants"][name] for row in result["prompts"]], has_model)
             fresh |= predicted_here(pooled, committed["profile"])
         for key, value in fresh.items():
             if committed.get(key) is not None:

@@ -130,15 +130,15 @@ class Pooled:
         )
 
 
-def measured_figures(name: str, rows: list[dict], has_model: bool) -> dict[str, Any]:
-    """What a bench's rows say of a variant with no model of cost: speed, waits, acceptance, identical answers."""
+def measured_figures(name: str, rows: list[dict], pooled: Pooled) -> dict[str, Any]:
+    """What a bench's rows say of a variant with no model of cost: speed, waits, acceptance, identical answers
+    (`pooled`: its steps, Pooled.of its rows)."""
     variants = [row["variants"][name] for row in rows]
     speedups = [v["speedup"] for v in variants]
     # The headline: all tokens over all decode time, with the draft over the target alone (a mean of per-prompt
     # ratios weighs short answers as much as long ones).
     target_alone = [row["variants"][TARGET] for row in rows]
     (tokens, seconds), (_, target_seconds) = totals(variants), totals(target_alone)
-    pooled = Pooled.of(variants, has_model)
     drafted, accepted = sum(pooled.drafted_at), sum(pooled.accepted_at)
     counts = [source_counts(v) for v in variants]
     return {
@@ -181,7 +181,7 @@ def summarize(
     pooled = Pooled.of([row["variants"][name] for row in rows], draft_path is not None)
     steps = (pooled.tau, pooled.drafted_at, pooled.steps)
     return {
-        **measured_figures(name, rows, draft_path is not None),
+        **measured_figures(name, rows, pooled),
         "draft_max": k,
         "exact": config.exact,
         "verify_ratio": verify_ratio_at(profile["verify_ratio"], k + 1),
