@@ -23,6 +23,7 @@ class LlamaSettings(ThreadsSettings):
     """How a verb's llama.cpp contexts run: its threads and its context length."""
 
     n_ctx: int = Field(DEFAULT_N_CTX, ge=64, description="Context length (per slot, in a server).")
+    exact: bool = Field(True, description="Batched logits equal to one-token ones (identical greedy answers).")
 
 
 def thread_count(requested: int | None = None) -> int:

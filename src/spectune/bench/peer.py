@@ -127,8 +127,16 @@ def llama_baseline(
     settings): the baseline our target-alone loop is checked against. Yields run(prompt text, max tokens); its
     timings are the server's own decode time, the prompt excluded, as ours are."""
     port = free_port()
-    settings = DecodeSettings(draft_max=0, exact=exact)
-    command = server_command(binary or built_tool(SERVER), target, None, settings, threads, port=port, n_ctx=n_ctx)
+    command = server_command(
+        binary or built_tool(SERVER),
+        target,
+        None,
+        DecodeSettings(draft_max=0),
+        threads,
+        port=port,
+        n_ctx=n_ctx,
+        exact=exact,
+    )
     url = f"http://127.0.0.1:{port}"
     with tempfile.TemporaryFile("w+") as log, LlamaServer(command, server_env(exact, None), url, log) as server:
         server.wait_ready(BASELINE_READY_SECONDS)

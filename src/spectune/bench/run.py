@@ -98,6 +98,7 @@ def bench(config: BenchConfig) -> dict[str, Any]:
             "n": len(prompts),
             "draft_max": {name: draft_length(config, name) for name in config.variants()},
             "threads": target.threads,
+            "exact": config.exact,
             "greedy": True,
             "peer": "llama.cpp llama-speculative-simple" if config.peer else None,
             "build": verdict["build"],

@@ -52,6 +52,7 @@ def server_command(
     n_ctx: int = 4096,
     slots: int = 1,
     model_name: str = "spectune",
+    exact: bool = True,
     lookups: tuple[str, ...] = (),
     ngram: NgramSettings | None = None,
     eagle3: bool = False,
@@ -67,7 +68,7 @@ def server_command(
     command += ["-n", str(decode.max_tokens), "--temp", str(decode.temperature), "--top-k", str(decode.top_k)]
     command += ["--top-p", str(decode.top_p)] + (["-s", str(decode.seed)] if decode.seed is not None else [])
     command += ["--ignore-eos"] if decode.ignore_eos else []
-    return command + exact_flags(decode.exact)
+    return command + exact_flags(exact)
 
 
 def thread_flags(threads: int) -> list[str]:

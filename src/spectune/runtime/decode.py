@@ -31,7 +31,6 @@ class DecodeSettings(Settings):
     )
     draft_p_min: float = Field(0.0, ge=0.0, le=1.0, description="Stop drafting below this draft confidence.")
     adaptive: bool = Field(False, description="Grow k after a fully accepted step, shrink it after a rejection.")
-    exact: bool = Field(True, description="Batched logits equal to one-token ones (identical greedy answers).")
 
     @field_validator("draft_max")
     @classmethod

@@ -32,6 +32,7 @@ def start_llama_server(config: ServeConfig, log: IO[str] | None = None, ready: f
         n_ctx=config.n_ctx,
         slots=config.slots,
         model_name=config.model_name,
+        exact=config.exact,
         lookups=config.lookups,
         ngram=config.ngram,
         eagle3=config.draft is not None and is_eagle3_gguf(config.draft),
