@@ -13,6 +13,7 @@ import yaml
 from conftest import run_cli
 
 from spectune.bench.config import BenchConfig
+from spectune.cache import path_hash
 from spectune.cli.run import print_story
 from spectune.config import read_yaml, validate
 from spectune.data.read import read_dialogues, write_jsonl
@@ -28,7 +29,7 @@ from spectune.pipeline.config import (
     load_run_config,
 )
 from spectune.pipeline.run import run_pipeline
-from spectune.pipeline.stages import Context, base_draft_stage, domain_data, path_hash, stages
+from spectune.pipeline.stages import Context, base_draft_stage, domain_data, stages
 from spectune.runtime.chosen import ChosenPair
 from spectune.serve.config import ServeConfig
 from spectune.train.draft import TARGET_ANSWERS

@@ -10,7 +10,7 @@ from pydantic import Field, model_validator
 from spectune.engines.llama_server import NgramType
 from spectune.layout import CONTROL_DRAFT
 from spectune.runtime.decode import DecodeSettings
-from spectune.runtime.ngram import NGRAM, NgramSettings
+from spectune.runtime.ngram import NgramSettings
 from spectune.runtime.registry import SpeculatorSettings, Variant, check_draft_names
 from spectune.threads import LlamaSettings
 
@@ -81,7 +81,7 @@ class BenchConfig(BenchSettings, LlamaSettings):
     def variants(self) -> dict[str, Variant]:
         """Every variant by its name, the target alone not included: each draft, then each model-free speculator
         alone and in front of the fronted drafts (ngram_with, default every tuned one)."""
-        lookups = list(dict.fromkeys([*[NGRAM] * (self.ngram is not None), *self.speculators]))
+        lookups = self.lookups(self.ngram is not None)
         fronted = self.ngram_with if self.ngram_with is not None else set(self.drafts) - {CONTROL_DRAFT}
         variants = [Variant(draft=name) for name in self.drafts]
         for lookup in lookups:

@@ -90,10 +90,15 @@ def _cmake(build: Path, cmake_args: tuple[str, ...], targets: tuple[str, ...], j
     configure = ["cmake", "-S", str(llama_cpp_source()), "-B", str(build), *BUILD_FLAGS, *cmake_args]
     compile_ = ["cmake", "--build", str(build), "--target", *targets, "-j", str(jobs or os.cpu_count() or 1)]
     for command in (configure, compile_):
-        result = subprocess.run(command, capture_output=True, text=True)
-        if result.returncode != 0:
-            tail = "\n".join((result.stdout + result.stderr).strip().splitlines()[-20:])
-            raise SpectuneError(f"building llama.cpp failed: {' '.join(command)}\n{tail}")
+        run_tool(command, "building llama.cpp")
+
+
+def run_tool(command: list[str], what: str) -> None:
+    """Run one of llama.cpp's tools (or its build) to the end; a failure is an error quoting its output's tail."""
+    result = subprocess.run(command, capture_output=True, text=True)
+    if result.returncode != 0:
+        tail = "\n".join((result.stdout + result.stderr).strip().splitlines()[-20:])
+        raise SpectuneError(f"{what} failed (exit {result.returncode}): {' '.join(command)}\n{tail}")
 
 
 def build_llama_cpp(cmake_args: tuple[str, ...] = (), variant: str = "cpu", jobs: int | None = None) -> Path:

@@ -14,15 +14,14 @@ same model computes it once.
 from __future__ import annotations
 
 import hashlib
-import subprocess
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 from spectune.atomic import atomic_path
-from spectune.cache import cache_root
-from spectune.engines.llama_cpp import IMATRIX_TOOL, QUANTIZE_TOOL, built_tool
+from spectune.cache import cache_root, path_hash
+from spectune.engines.llama_cpp import IMATRIX_TOOL, QUANTIZE_TOOL, built_tool, run_tool
 from spectune.engines.llama_server import thread_flags
 from spectune.errors import SpectuneError
 from spectune.threads import thread_count
@@ -32,22 +31,6 @@ MAX_CHUNKS = 32  # 16k tokens: on SmolLM2 128 chunks gave the same fidelity at 4
 IMATRIX_TYPES = ("Q4_0", "Q4_K_S", "Q4_K_M", "Q5_K_M", "Q6_K")  # the types quantized with it (Q8_0 and up ignore it)
 
 
-def file_digest(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as handle:
-        for block in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
-def _run(command: list[str], what: str) -> str:
-    result = subprocess.run(command, capture_output=True, text=True)
-    if result.returncode != 0:
-        tail = "\n".join((result.stdout + result.stderr).strip().splitlines()[-15:])
-        raise SpectuneError(f"{what} failed (exit {result.returncode}): {' '.join(command)}\n{tail}")
-    return result.stdout + result.stderr
-
-
 def importance_matrix(
     f16_gguf: Path, text: str, threads: int | None = None, max_chunks: int = MAX_CHUNKS
 ) -> tuple[Path, dict[str, Any]]:
@@ -55,7 +38,7 @@ def importance_matrix(
     made of: its chunks and the seconds it took (0 from the cache)."""
     if not text.strip():
         raise SpectuneError(f"{f16_gguf}: no calibration text for its importance matrix")
-    key = hashlib.sha256(f"{file_digest(f16_gguf)}\n{CHUNK_TOKENS}\n{max_chunks}\n{text}".encode()).hexdigest()[:24]
+    key = hashlib.sha256(f"{path_hash(f16_gguf)}\n{CHUNK_TOKENS}\n{max_chunks}\n{text}".encode()).hexdigest()[:24]
     out = cache_root() / "imatrix" / f"{key}.gguf"
     info = {"file": str(out), "chunk_tokens": CHUNK_TOKENS, "max_chunks": max_chunks, "seconds": 0.0}
     if out.is_file():
@@ -67,7 +50,7 @@ def importance_matrix(
         text_file.write_text(text)
         command = [str(built_tool(IMATRIX_TOOL)), "-m", str(f16_gguf), "-f", str(text_file), "-o", str(tmp)]
         command += ["-c", str(CHUNK_TOKENS), "--chunks", str(max_chunks), "--no-ppl", "--parse-special"]
-        _run([*command, *thread_flags(thread_count(threads))], "llama-imatrix")
+        run_tool([*command, *thread_flags(thread_count(threads))], "llama-imatrix")
         if not tmp.is_file():
             raise SpectuneError(f"llama-imatrix wrote no matrix for {f16_gguf} (calibration text too short?)")
     return out, info | {"seconds": round(time.perf_counter() - start, 1)}
@@ -77,5 +60,5 @@ def quantize_with(f16_gguf: Path, out_file: Path, quant: str, imatrix: Path, thr
     """`llama-quantize --imatrix`: the same quantization as libllama's, weighted by the matrix (atomic)."""
     with atomic_path(out_file) as tmp:
         command = [str(built_tool(QUANTIZE_TOOL)), "--imatrix", str(imatrix), str(f16_gguf), str(tmp), quant]
-        _run([*command, str(thread_count(threads))], "llama-quantize")
+        run_tool([*command, str(thread_count(threads))], "llama-quantize")
     return out_file

@@ -205,14 +205,14 @@ def write_pair(config: ExportPairConfig, acceptance: dict[str, Any] | None) -> d
     variant, k = choose_draft(list(config.drafts), acceptance)
     name = variant.draft or ""
     draft_file = config.out / gguf_name(name, quant)
-    fronted = bool(acceptance and variant.lookups)
+    fronted = acceptance if acceptance and variant.lookups else None  # lookup in front: its settings and answers
     chosen = ChosenPair(
         target=target_file,
         draft=draft_file,
         draft_name=name,
         k=k,
-        ngram=acceptance["ngram"] if acceptance and fronted else None,
-        ngram_data=acceptance.get("ngram_data") if acceptance and fronted else None,
+        ngram=fronted["ngram"] if fronted else None,
+        ngram_data=fronted.get("ngram_data") if fronted else None,
         eagle3=is_eagle3_head(Path(config.drafts[name])),
         # The HF folders they came from: what vLLM and SGLang serve (`spectune export --for vllm|sglang`).
         target_hf=config.target,

@@ -20,12 +20,13 @@ from importlib.metadata import version
 from typing import Any
 
 from spectune.atomic import atomic_path
+from spectune.cache import path_hash
 from spectune.config import Settings
 from spectune.errors import SpectuneError
 from spectune.gpu.card import reference_card
 from spectune.layout import RunLayout
 from spectune.pipeline.config import RunConfig
-from spectune.pipeline.stages import Context, Stage, path_hash, stages
+from spectune.pipeline.stages import Context, Stage, stages
 from spectune.runtime.chosen import ChosenPair
 from spectune.story import chatter_to, story
 from spectune.threads import configure_torch_threads

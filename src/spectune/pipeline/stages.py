@@ -4,7 +4,6 @@ calls, with the settings, outputs and files it reads (what the runner hashes).""
 from __future__ import annotations
 
 import functools
-import hashlib
 import json
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -15,6 +14,7 @@ from spectune.acceptance.stage import AcceptanceConfig, run_acceptance
 from spectune.atomic import atomic_path
 from spectune.bench.config import BenchConfig
 from spectune.bench.run import bench
+from spectune.cache import path_hash
 from spectune.data.demo import generate_dialogues
 from spectune.data.prepare import split_dialogues
 from spectune.data.read import read_dialogues, write_jsonl
@@ -325,15 +325,3 @@ def stages(config: RunConfig) -> list[Stage]:
             _eval_and_domain_files,
         ),
     ]
-
-
-def path_hash(path: Path) -> str:
-    """Content hash of a file, or of every file in a folder (names included)."""
-    digest = hashlib.sha256()
-    files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
-    for file in files:
-        digest.update(str(file.relative_to(path) if path.is_dir() else "").encode())
-        with file.open("rb") as handle:
-            for block in iter(lambda handle=handle: handle.read(1 << 20), b""):
-                digest.update(block)
-    return digest.hexdigest()[:16]

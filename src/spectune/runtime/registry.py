@@ -57,6 +57,11 @@ class SpeculatorSettings(Settings):
     def _known(cls, names: list[str]) -> list[str]:
         return check_speculators(names)
 
+    def lookups(self, ngram: bool) -> tuple[str, ...]:
+        """The model-free speculators in front of the draft: n-gram lookup first where the verb turns it on, then
+        the others named, each once."""
+        return tuple(dict.fromkeys([*[NGRAM] * ngram, *self.speculators]))
+
 
 def check_draft_names(names: list[str]) -> None:
     """Draft names a variant can be parsed back from: no separator, no registered speculator's name."""

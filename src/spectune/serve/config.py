@@ -13,7 +13,7 @@ from spectune.runtime.decode import DecodeSettings
 from spectune.runtime.first_words import FirstWords
 from spectune.runtime.llama import is_eagle3_gguf
 from spectune.runtime.mode import ModeSettings
-from spectune.runtime.ngram import NGRAM, NgramSettings
+from spectune.runtime.ngram import NgramSettings
 from spectune.runtime.registry import SpeculatorSettings
 from spectune.threads import LlamaSettings
 
@@ -84,11 +84,6 @@ class ServeConfig(DecodeSettings, ModeSettings, LlamaSettings, SpeculatorSetting
     ngram_data: Path | None = Field(
         None, description="Chat dataset whose assistant turns fill the n-gram domain table (the target's answers)."
     )
-
-    @property
-    def lookups(self) -> tuple[str, ...]:
-        """The model-free speculators in front of the draft: n-gram lookup where --ngram is given, then the rest."""
-        return tuple(dict.fromkeys([*[NGRAM] * (self.ngram is not None), *self.speculators]))
 
     @model_validator(mode="after")
     def _pair(self) -> ServeConfig:

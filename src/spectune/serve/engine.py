@@ -33,7 +33,7 @@ def start_llama_server(config: ServeConfig, log: IO[str] | None = None, ready: f
         slots=config.slots,
         model_name=config.model_name,
         exact=config.exact,
-        lookups=config.lookups,
+        lookups=config.lookups(config.ngram is not None),
         ngram=config.ngram,
         eagle3=config.draft is not None and is_eagle3_gguf(config.draft),
     )

@@ -34,7 +34,7 @@ class GenerateConfig(DecodeSettings, ModeSettings, LlamaSettings, SpeculatorSett
 
 def decoder_source(config: GenerateConfig) -> DecoderSource:
     """n-gram lookup where --ngram-data gives it a domain table (or --speculators names it), then the rest."""
-    lookups = tuple(dict.fromkeys([*[NGRAM] * (config.ngram_data is not None), *config.speculators]))
+    lookups = config.lookups(config.ngram_data is not None)
     setups: dict[str, NgramSetup] = {}
     if NGRAM in lookups:
         settings = NgramSettings()

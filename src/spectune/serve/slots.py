@@ -46,7 +46,13 @@ def decoder_source(config: ServeConfig) -> DecoderSource:
     if config.ngram:  # n-gram lookup's domain table is built once and read by every slot
         setups[NGRAM] = NgramSetup(config.ngram, domain_table(config.target, config.ngram, config.ngram_data))
     return DecoderSource(
-        config.target, config.draft, config.n_ctx, config.threads, config.exact, config.lookups, setups
+        config.target,
+        config.draft,
+        config.n_ctx,
+        config.threads,
+        config.exact,
+        config.lookups(config.ngram is not None),
+        setups,
     )
 
 
