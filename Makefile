@@ -11,13 +11,22 @@ LLAMA_CPP_PIN := $(shell grep -o 'llama-cpp-python==[0-9.]*' pyproject.toml)
 
 .PHONY: demo test test-fast lint install clean
 
-# llama-cpp-python is built first, from source, past pip's wheel cache: a cached wheel may carry other cmake flags.
-# pip's output goes to the install log (its tail is shown if it fails): `make demo` prints the demo's story only.
-$(VENV)/.installed: pyproject.toml
+LLAMA_CPP_SDIST := $(VENV)/llama-cpp-sdist
+PATCHES := src/spectune/llama_cpp_patch.py $(wildcard src/spectune/llama_cpp_patches/*.patch)
+
+# llama-cpp-python is built first, from its source distribution with spectune's patches applied to the llama.cpp
+# inside (src/spectune/llama_cpp_patch.py: its version then reads 0.3.36+spectune.DIGEST), past pip's wheel cache: a
+# cached wheel may carry other cmake flags or no patches. pip's output goes to the install log (its tail is shown if
+# it fails): `make demo` prints the demo's story only.
+$(VENV)/.installed: pyproject.toml $(PATCHES)
 	@test -x $(PY) || python3 -m venv $(VENV)
 	@echo "installing into $(VENV): llama.cpp compiles from source, 10 to 20 minutes on 2 cores (log: $(VENV)/install.log)"
-	@{ CMAKE_ARGS="-DGGML_LLAMAFILE=$(LLAMAFILE) $(CMAKE_ARGS)" $(PY) -m pip install $(PIP_FLAGS) --no-cache-dir \
-		--force-reinstall --no-deps '$(LLAMA_CPP_PIN)' && $(PY) -m pip install $(PIP_FLAGS) -e '.[dev]'; } \
+	@{ rm -rf $(LLAMA_CPP_SDIST) && mkdir -p $(LLAMA_CPP_SDIST)/src \
+		&& $(PY) -m pip download $(PIP_FLAGS) --no-binary :all: --no-deps -d $(LLAMA_CPP_SDIST) '$(LLAMA_CPP_PIN)' \
+		&& source=$$(PYTHONPATH=src $(PY) -m spectune.llama_cpp_patch $(LLAMA_CPP_SDIST)/*.tar.gz $(LLAMA_CPP_SDIST)/src) \
+		&& CMAKE_ARGS="-DGGML_LLAMAFILE=$(LLAMAFILE) $(CMAKE_ARGS)" $(PY) -m pip install $(PIP_FLAGS) --no-cache-dir \
+			--force-reinstall --no-deps "$$source" \
+		&& rm -rf $(LLAMA_CPP_SDIST) && $(PY) -m pip install $(PIP_FLAGS) -e '.[dev]'; } \
 		> $(VENV)/install.log 2>&1 || { tail -n 40 $(VENV)/install.log; exit 1; }
 	@touch $@
 

@@ -22,7 +22,7 @@ from typing import Any
 
 from pipeline_run import LEAN_SWITCHES, command_line, config_from_command_line, lean_overrides, write_result
 
-from spectune.bench.peer import llama_baseline, run_peer
+from spectune.bench.llama_cpp_loop import llama_baseline, run_peer
 from spectune.bench.run import rounds, without_bos
 from spectune.data.prepare import read_prompts
 from spectune.engines.llama_cpp import SPECULATIVE_TOOL, built_tool

@@ -57,7 +57,7 @@ def run_once(model: Path, data: Path, four_bit: bool, steps: int, seq: int, batc
 def main() -> None:
     from spectune.data.demo import generate_dialogues
     from spectune.data.read import write_jsonl
-    from spectune.models.world import build_pair
+    from spectune.models.demo_pair import build_pair
     from spectune.train.plan import estimate, read_shape
 
     parser = argparse.ArgumentParser()

@@ -32,9 +32,9 @@ from spectune.bench.summary import first_sentence_over_alone
 from spectune.export.gguf import export_model
 from spectune.gpu.card import GpuCard, reference_card
 from spectune.gpu.predict import on_card, on_card_of_steps
+from spectune.models.demo_pair import RECIPES, build_tokenizer, llama_config
 from spectune.models.imported import fetch
 from spectune.models.tokenizer import save_tokenizer
-from spectune.models.world import RECIPES, build_tokenizer, llama_config
 from spectune.pipeline.config import DERIVED_LAYERS
 from spectune.runtime.profile import gguf_weights
 from spectune.runtime.registry import Variant

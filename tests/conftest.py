@@ -43,7 +43,7 @@ def run_cli(*args: str) -> int:
 @pytest.fixture(scope="session")
 def micro_pair(tmp_path_factory) -> Path:
     """The micro demo pair, built once per test session (under a minute with 1 thread)."""
-    from spectune.models.world import build_pair
+    from spectune.models.demo_pair import build_pair
 
     return build_pair("micro", tmp_path_factory.mktemp("models"))
 

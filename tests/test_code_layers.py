@@ -11,7 +11,8 @@ import networkx as nx
 PACKAGE = Path(__file__).parent.parent / "src" / "spectune"
 # What the lowest layers may import of spectune: the shared top-level modules and each other's kind only.
 LOW = {"runtime": {"runtime"}, "data": {"data"}}
-SHARED = {"atomic", "cache", "config", "errors", "threads", "speedup", "progress", "llama_cpp_pin", "layout"}
+SHARED = {"atomic", "cache", "config", "errors", "threads", "speedup", "progress", "layout"}
+SHARED |= {"llama_cpp_pin", "llama_cpp_patch"}
 
 
 def unit(module: str) -> str:

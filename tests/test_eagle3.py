@@ -13,7 +13,7 @@ from test_serve import engine_answer
 
 from spectune.acceptance.meter import simulate_tau
 from spectune.acceptance.stage import AcceptanceConfig, load_models, run_acceptance
-from spectune.bench.peer import llama_baseline, run_peer
+from spectune.bench.llama_cpp_loop import llama_baseline, run_peer
 from spectune.data.prepare import read_prompts
 from spectune.engines.handoff import HandoffConfig, hand_off
 from spectune.engines.llama_cpp import SERVER, SPECULATIVE_TOOL, build_llama_cpp
@@ -33,11 +33,11 @@ MAX_TOKENS = 24
 
 
 def test_a_target_llama_cpp_takes_no_layer_inputs_from_is_refused_before_training(tmp_path):
-    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen2"}))
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "phi3"}))
     (tmp_path / "model.safetensors").write_bytes(b"")  # what a model folder has; never read
-    with pytest.raises(SpectuneError, match="'qwen2'"):
+    with pytest.raises(SpectuneError, match="'phi3'"):
         check_target(tmp_path)
-    with pytest.raises(SpectuneError, match="'qwen2'"):
+    with pytest.raises(SpectuneError, match="'phi3'"):
         train_eagle3(Eagle3Config(target=tmp_path, data=tmp_path / "none.jsonl", out=tmp_path / "out"))
     assert not (tmp_path / "out").exists()
 
@@ -75,6 +75,31 @@ def head(tuned_target, demo_data, tmp_path_factory) -> Path:
     return result.model
 
 
+def heads_in_llama_cpp_accept_what_the_meter_says(
+    target_dir: Path, head: Path, target_gguf: Path, head_gguf: Path, demo_data: Path, replayed: bool = True
+) -> int:
+    """llama.cpp's loop with the head gives the target alone's answers and (`replayed`) accepts, prompt by prompt, as
+    many drafted tokens as the meter's replay of the head in torch on the target's own answers; returns the accepted
+    tokens."""
+    target, models, heads, tokenizer = load_models(target_dir, {"eagle3": head})
+    assert not models and list(heads) == ["eagle3"]
+    tool = build_llama_cpp() / SPECULATIVE_TOOL
+    accepted = 0
+    with llama_baseline(target_gguf, 1, 1024, exact=True) as alone:
+        for prompt in read_prompts(demo_data)[-PROMPTS:]:
+            text = tokenizer.apply_chat_template(prompt.messages, tokenize=False, add_generation_prompt=True)
+            run = run_peer(tool, target_gguf, head_gguf, text, 4, MAX_TOKENS, 1, 1024, exact=True, eagle3=True)
+            assert run.text == alone(text, MAX_TOKENS).text
+            accepted += run.accepted
+            if not replayed:
+                continue
+            ids, answer = greedy_answer(target, tokenizer, prompt.messages, MAX_TOKENS)
+            chains = chain_matches(heads["eagle3"], target, ids, answer)
+            replay = simulate_tau([[False] * len(answer)], 4, chains=lambda index, position, c=chains: c[position])
+            assert run.accepted == sum(replay.accepted)
+    return accepted
+
+
 def test_the_head_drafts_in_llama_cpp_with_the_target_alones_answers_accepting_what_the_meter_says(
     head, tuned_target, demo_data, tmp_path
 ):
@@ -87,21 +112,7 @@ def test_the_head_drafts_in_llama_cpp_with_the_target_alones_answers_accepting_w
     assert is_eagle3_gguf(head_gguf) and not is_eagle3_gguf(target_gguf)
     with pytest.raises(SpectuneError, match="EAGLE-3 head"):
         LlamaModel(head_gguf)  # spectune's own loop cannot feed it
-    target, models, heads, tokenizer = load_models(tuned_target, {"eagle3": head})
-    assert not models and list(heads) == ["eagle3"]
-    tool = build_llama_cpp() / SPECULATIVE_TOOL
-    accepted = 0
-    with llama_baseline(target_gguf, 1, 1024, exact=True) as alone:
-        for prompt in read_prompts(demo_data)[-PROMPTS:]:
-            text = tokenizer.apply_chat_template(prompt.messages, tokenize=False, add_generation_prompt=True)
-            run = run_peer(tool, target_gguf, head_gguf, text, 4, MAX_TOKENS, 1, 1024, exact=True, eagle3=True)
-            assert run.text == alone(text, MAX_TOKENS).text
-            ids, answer = greedy_answer(target, tokenizer, prompt.messages, MAX_TOKENS)
-            chains = chain_matches(heads["eagle3"], target, ids, answer)
-            replay = simulate_tau([[False] * len(answer)], 4, chains=lambda index, position, c=chains: c[position])
-            assert run.accepted == sum(replay.accepted)
-            accepted += run.accepted
-    assert accepted > 0
+    assert heads_in_llama_cpp_accept_what_the_meter_says(tuned_target, head, target_gguf, head_gguf, demo_data) > 0
     report = run_acceptance(
         AcceptanceConfig(target=tuned_target, drafts={"eagle3": head}, data=demo_data, n=PROMPTS, max_tokens=32)
     )

@@ -16,9 +16,9 @@ from spectune.errors import SpectuneError
 from spectune.export.gguf import convert
 from spectune.export.profile import profile_pair
 from spectune.models.corpus import generate_corpus
+from spectune.models.demo_pair import RECIPES, Shape, build_pair, read_manifest
 from spectune.models.load import load_tokenizer
 from spectune.models.tokenizer_check import tokenizer_strings
-from spectune.models.world import RECIPES, Shape, build_pair, read_manifest
 from spectune.runtime.llama import LlamaModel
 
 

@@ -47,7 +47,7 @@ def micro_config(run_dir, models_dir) -> RunConfig:
         "models": {"size": "micro", "models_dir": str(models_dir)},
         "finetune": {"max_steps": 20, "lr": 5e-3, "max_seq_length": 192, "max_eval": 8},
         "drafts": {"methods": ["sft"], "max_steps": 10, "lr": 3e-3, "max_seq_length": 192, "max_eval": 8},
-        "acceptance": {"n": 3, "max_tokens": 16},
+        "acceptance": {"n": 3, "max_tokens": 16, "draft_types": ["Q4_K_M", "Q8_0"]},
         "export": {"fidelity_dialogues": 2},
         "bench": {"n": 2, "repeats": 1, "max_tokens": 16, "draft_max": 4},
     }
@@ -114,6 +114,16 @@ def test_pipeline_runs_skips_and_resumes(micro_pair, tmp_path, monkeypatch, caps
     chosen = ChosenPair.read(config.layout.chosen_pair)
     assert chosen.target_hf and chosen.target_hf.resolve() == tmp_path / "run" / "target" / "merged"  # vLLM's input
     assert chosen.draft_hf and (chosen.draft_hf / "config.json").is_file() and chosen.draft_name in str(chosen.draft_hf)
+    # Each draft measured at both types; pair.json and the bench serve the type chosen for it
+    swept = acceptance["draft_types"]["drafts"]
+    assert set(swept) == {"generic", "sft"}
+    for entry in swept.values():  # plain, and weighted by the matrix where the export used one
+        assert {row["quant"] for row in entry["types"]} == {"Q4_K_M", "Q8_0"}
+        assert entry["chosen"] in [row["label"] for row in entry["types"]]
+    assert chosen.draft.resolve() == Path(swept[chosen.draft_name]["gguf"]).resolve()
+    benched = json.loads((config.layout.bench_dir / "report.json").read_text())["drafts"]
+    assert benched == {name: entry["gguf"] for name, entry in swept.items()}
+    assert "### Draft types" in (tmp_path / "run" / "report.md").read_text()
 
     monkeypatch.setattr(stages_module, "train_draft", must_not_run)
     before = {name: stage["seconds"] for name, stage in manifest["stages"].items()}

@@ -10,7 +10,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 # The kinds of scratch sibling spectune writes beside an artifact: `.NAME.KIND-PID`.
-SCRATCH_KINDS = ("tmp", "f16")
+SCRATCH_KINDS = ("tmp", "f16", "plain")  # "plain": a file quantized without the importance matrix, to compare
 
 
 def scratch_path(final: Path, kind: str) -> Path:

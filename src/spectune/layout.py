@@ -34,7 +34,7 @@ class RunLayout:
         self.profile = self.root / "profile.json"  # the demo pair's hardware profile (c, r(n)) at the run's quant
         self.gguf_dir = self.root / "gguf"
         self.export_report = self.gguf_dir / EXPORT_REPORT
-        self.chosen_pair = self.gguf_dir / CHOSEN_PAIR  # the best tuned draft and its k (written by export)
+        self.chosen_pair = self.gguf_dir / CHOSEN_PAIR  # the pair to serve and its k (written by acceptance)
         self.server_script = self.gguf_dir / SERVER_SCRIPT
         self.bench_dir = self.root / "bench"
         self.logs = self.root / "logs"  # what the libraries said during each stage (logs/STAGE.log)

@@ -1,5 +1,6 @@
 """The llama.cpp spectune runs: the one vendored by the pinned llama-cpp-python, whose source distribution holds
-its converter and tools' sources (fetched by pip once, cached). Below export and engines: both build on it."""
+its converter and tools' sources (fetched by pip once, cached), with spectune's patches (llama_cpp_patch.py). Below
+export and engines: both build on it."""
 
 from __future__ import annotations
 
@@ -13,10 +14,27 @@ from pathlib import Path
 from spectune.atomic import atomic_path
 from spectune.cache import cache_root
 from spectune.errors import SpectuneError
+from spectune.llama_cpp_patch import patch_tag
+
+
+def binding_version() -> str:
+    """The installed llama-cpp-python's version: the pin, with `+spectune.DIGEST` where built from patched sources."""
+    return version("llama-cpp-python")
 
 
 def llama_cpp_version() -> str:
-    return version("llama-cpp-python")
+    """The pinned release (the binding's version without its local label): what the sources are fetched by."""
+    return binding_version().split("+")[0]
+
+
+def patched_build() -> str:
+    """The build every llama.cpp of spectune's is made from: the pinned release with spectune's patches."""
+    return f"{llama_cpp_version()}+{patch_tag()}"
+
+
+def binding_patched() -> bool:
+    """Whether the installed binding was built with today's patches (`make` builds it so)."""
+    return binding_version() == patched_build()
 
 
 def fetch_sdist() -> Path:

@@ -1,6 +1,6 @@
 """How far a long task is: rich's transient bar on a terminal; elsewhere (a log file, CI, `nohup`) a plain line now
-and then, so a stage that takes an hour does not stay silent in its log. Both go to the story's terminal, also while
-the libraries' chatter goes to a log file (story.py)."""
+and then, so a stage that takes an hour does not stay silent in its log. Both go to the terminal, also while
+the libraries' chatter goes to a log file (terminal.py)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from typing import TypeVar
 
 from rich.progress import Progress, TextColumn
 
-from spectune.story import story
+from spectune.terminal import terminal
 
 Item = TypeVar("Item")
 PLAIN_EVERY_SECONDS = 60.0
@@ -20,7 +20,7 @@ class Ticker:
     """`total` steps of `description`, reported as they are done (`update`), with a note such as the loss."""
 
     def __init__(self, total: int, description: str, every_seconds: float = PLAIN_EVERY_SECONDS) -> None:
-        self.console, self.total, self.description = story.console(), total, description
+        self.console, self.total, self.description = terminal.console(), total, description
         self.every_seconds = every_seconds
         self.start = self.last = time.monotonic()
         self.bar: Progress | None = None

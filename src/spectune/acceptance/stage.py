@@ -10,31 +10,27 @@ from typing import Any
 
 from pydantic import Field
 
+from spectune.acceptance.draft_types import DraftTypesSettings, card_profiles, sweep_types
 from spectune.acceptance.meter import Profile, encode, measure
 from spectune.atomic import atomic_path
-from spectune.config import Settings
 from spectune.data.prepare import read_prompts
 from spectune.data.read import assistant_turns
 from spectune.errors import SpectuneError
-from spectune.gpu.card import GROUNDED_PROFILE, reference_card
+from spectune.export.pair import CALIBRATION_DIALOGUES, calibration_text, held_out
 from spectune.layout import TARGET
 from spectune.models.load import is_eagle3_head, load_tokenizer
 from spectune.models.resolve import MODEL_REFERENCE, resolve_model
 from spectune.runtime.decode import DEFAULT_MAX_TOKENS
 from spectune.runtime.ngram import NgramSettings, domain_of_texts
 from spectune.runtime.profile import gguf_weights
-from spectune.speedup import (
-    GPU_PROFILE,
-    Weights,
-    step_cost_ratio,
-)
-from spectune.threads import configure_torch_threads
+from spectune.speedup import Weights
+from spectune.threads import ThreadsSettings, configure_torch_threads
 from spectune.train.eagle3_head import load_head
 
 HERE = "here"  # the key of a profile measured on this machine
 
 
-class AcceptanceSettings(Settings):
+class AcceptanceSettings(DraftTypesSettings):
     """The offline meter's settings: the `acceptance:` section of a run config and flags of `spectune acceptance`."""
 
     n: int = Field(30, ge=1, description="Held-out prompts the target answers.")
@@ -42,7 +38,7 @@ class AcceptanceSettings(Settings):
     temperature: float = Field(0.0, ge=0.0, description="Also measure sampling acceptance at this temperature.")
 
 
-class AcceptanceConfig(AcceptanceSettings):
+class AcceptanceConfig(AcceptanceSettings, ThreadsSettings):
     """Everything `spectune acceptance` takes."""
 
     target: Path = Field(description=f"The (fine-tuned, merged) target: {MODEL_REFERENCE}.")
@@ -61,6 +57,11 @@ class AcceptanceConfig(AcceptanceSettings):
         {},
         description="The exported GGUFs by name (the target's as `target`): c on a GPU is what a step reads of them "
         "in bytes, as the bench predicts with; without them, of the HF weights (elements, one width for both).",
+    )
+    calibration_data: Path | None = Field(
+        None,
+        description="The dialogues the export computed importance matrices on: a draft's other types are quantized "
+        "with its matrix too (none: plain).",
     )
     json_out: Path | None = Field(None, description="Also write the results as JSON here.")
 
@@ -97,31 +98,18 @@ def module_weights(model: Any) -> Weights:
 
 
 def gpu_profiles(config: AcceptanceConfig, target: Any, drafts: dict[str, Any]) -> dict[str, list[Profile]]:
-    """Each draft's GPU profiles: memory-bound decoding, r = 1, c what its step reads over what the target's does
-    (see step_cost_ratio), of the GGUFs where given, else of the HF weights; and, with GGUFs, the reference card's
-    c and r predicted on the reference card (spectune.gpu), which need bytes and layers."""
-    if config.ggufs:
-        missing = sorted({TARGET, *drafts} - set(config.ggufs))
-        if missing:
-            raise SpectuneError(f"ggufs: no GGUF for {', '.join(missing)} (give the target's and every draft's)")
-        weights = {name: gguf_weights(path) for name, path in config.ggufs.items()}
-        source = "GGUF bytes"
-    else:
-        weights = {TARGET: module_weights(target)} | {name: module_weights(draft) for name, draft in drafts.items()}
-        source = "HF weights"
-    card = reference_card()
-    profiles = {}
-    for name in drafts:
-        bytes_only = round(step_cost_ratio(weights[name], weights[TARGET]), 4)
-        profiles[name] = [Profile(GPU_PROFILE, f"gpu (memory-bound, predicted; c by {source})", bytes_only)]
-        if config.ggufs:  # the card's model needs bytes and layers
-            grounded_c = round(card.cost_ratio(weights[name], weights[TARGET]), 4)
-            low_c, high_c = card.cost_ratio_band(weights[name], weights[TARGET])
-            name_on_card = f"{card.label}, c {low_c:.3f}-{high_c:.3f} (fitted on published llama.cpp figures)"
-            profiles[name].append(
-                Profile(GROUNDED_PROFILE, name_on_card, grounded_c, card.verify_ratios(weights[TARGET]))
-            )
-    return profiles
+    """Each draft's GPU profiles (draft_types.card_profiles): of the GGUFs where given (bytes, and on the
+    reference card, which needs bytes and layers), else of the HF weights (elements, one width for both)."""
+    if not config.ggufs:
+        target_weights = module_weights(target)
+        return {
+            name: card_profiles(module_weights(model), target_weights, "HF weights") for name, model in drafts.items()
+        }
+    missing = sorted({TARGET, *drafts} - set(config.ggufs))
+    if missing:
+        raise SpectuneError(f"ggufs: no GGUF for {', '.join(missing)} (give the target's and every draft's)")
+    target_weights = gguf_weights(config.ggufs[TARGET])
+    return {name: card_profiles(gguf_weights(config.ggufs[name]), target_weights, "GGUF bytes") for name in drafts}
 
 
 def read_profile(path: Path) -> Profile:
@@ -141,9 +129,21 @@ def read_profile(path: Path) -> Profile:
     )
 
 
+def draft_types_of(config: AcceptanceConfig, prompts: list) -> dict[str, Any]:
+    """Every draft model at every type of `draft_types`, in llama.cpp on its GGUF (draft_types.sweep_types)."""
+    folders = {name: resolve_model(path) for name, path in config.drafts.items()}
+    models = {name: folder for name, folder in folders.items() if not is_eagle3_head(folder)}
+    dialogues = held_out(config.calibration_data, CALIBRATION_DIALOGUES) if config.calibration_data else []
+    calibration = {name: calibration_text(folder, dialogues) for name, folder in models.items()} if dialogues else {}
+    drafts = {name: (folder, config.ggufs[name]) for name, folder in models.items()}
+    return sweep_types(
+        config.ggufs[TARGET], drafts, prompts, config.max_tokens, config.draft_types, calibration, config.threads
+    )
+
+
 def run_acceptance(config: AcceptanceConfig) -> dict[str, Any]:
     """The `spectune acceptance` stage: every draft against the target, on `n` held-out prompts."""
-    configure_torch_threads()
+    configure_torch_threads(config.threads)
     measured = [read_profile(config.profile)] if config.profile is not None else []
     prompts = read_prompts(config.data)[: config.n]
     target_model, draft_models, heads, tokenizer = load_models(config.target, config.drafts)
@@ -168,6 +168,8 @@ def run_acceptance(config: AcceptanceConfig) -> dict[str, Any]:
         "ngram_data": str(config.ngram_data) if config.ngram and config.ngram_data else None,
         "drafts": [json.loads(json.dumps(asdict(r))) for r in results],  # int keys -> str, as in the file
     }
+    if config.ggufs and config.draft_types:
+        report["draft_types"] = draft_types_of(config, prompts)
     if config.json_out is not None:
         with atomic_path(config.json_out) as tmp:
             tmp.write_text(json.dumps(report, indent=2))

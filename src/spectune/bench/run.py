@@ -19,7 +19,7 @@ from typing import Any, TypeVar
 from rich.console import Console
 
 from spectune.bench.config import BenchConfig, BenchSettings, baseline_settings, draft_length
-from spectune.bench.peer import PeerRun, llama_baseline, run_peer
+from spectune.bench.llama_cpp_loop import PeerRun, llama_baseline, run_peer
 from spectune.bench.report import write_report
 from spectune.bench.serving import FASTEST, serving_choice
 from spectune.bench.stalls import retime_stalls

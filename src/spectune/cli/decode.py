@@ -19,6 +19,7 @@ from spectune.errors import SpectuneError
 from spectune.flags import config_command
 from spectune.gpu.predict import STORY_GOALS, PredictConfig
 from spectune.gpu.predict import predict as run_predict
+from spectune.llama_cpp_pin import binding_patched, patched_build
 from spectune.runtime.build import build_features, build_name, identity_verdict
 from spectune.serve.client import run_call
 from spectune.serve.config import ServeConfig
@@ -146,6 +147,10 @@ def doctor(config: DoctorConfig) -> None:
     Exits 1 when a GGUF cannot be promised identical answers, so a script can stop before relying on it."""
     features = [name if value == "1" else f"{name}={value}" for name, value in build_features().items() if value != "0"]
     console.print(f"{build_name()}; threads {thread_count()}; compiled in: {', '.join(features)}")
+    if binding_patched():
+        console.print(f"llama.cpp patches: applied ({patched_build()}: EAGLE-3 layer inputs for qwen2, gemma3)")
+    else:  # llama.cpp's own tools are built patched; spectune's own loop runs in this binding
+        console.print(f"[yellow]llama.cpp patches: not in this binding[/] (want {patched_build()}): `make install`")
     refused = 0
     for gguf in config.ggufs:
         if not gguf.is_file():

@@ -18,11 +18,11 @@ from spectune.export.gguf import QuantSettings, check_quant
 from spectune.export.profile import profile_pair
 from spectune.flags import config_command
 from spectune.layout import DEFAULT_QUANT
+from spectune.models.demo_pair import RECIPES, build_pair, pair_dir, read_manifest
 from spectune.models.derive import derive_draft
 from spectune.models.imported import REAL_MODELS, import_gguf
 from spectune.models.imported import fetch as fetch_real_model
 from spectune.models.resolve import MODEL_REFERENCE
-from spectune.models.world import RECIPES, build_pair, pair_dir, read_manifest
 
 models_app = typer.Typer(
     help="Real models from GGUF files, and the demo world: offline tokenizer and generic pairs.", no_args_is_help=True

@@ -15,12 +15,12 @@ from spectune.cli.shared import VerboseSettings, console
 from spectune.config import positional
 from spectune.flags import config_command
 from spectune.layout import RunLayout
-from spectune.models.world import RECIPES
+from spectune.models.demo_pair import RECIPES
 from spectune.pipeline.config import demo_config, load_run_config
 from spectune.pipeline.run import dry_run as plan_run
 from spectune.pipeline.run import run_pipeline
 from spectune.runtime.chosen import ChosenPair
-from spectune.story import story
+from spectune.terminal import terminal
 
 app = typer.Typer()
 
@@ -35,7 +35,7 @@ class RunCommandConfig(VerboseSettings):
 @config_command(app, RunCommandConfig, name="run")
 def run_command(config: RunCommandConfig) -> None:
     """The whole pipeline: data -> QLoRA target -> merge -> drafts -> export -> acceptance -> bench -> report."""
-    story.verbose = config.verbose
+    terminal.verbose = config.verbose
     if config.dry_run:
         typer.echo(json.dumps(plan_run(load_run_config(config.run_config)), indent=2))
         return
@@ -51,7 +51,7 @@ class DemoConfig(VerboseSettings):
 @config_command(app, DemoConfig)
 def demo(config: DemoConfig) -> None:
     """The whole story on the built-in default: demo pair, generated voice-bot dialogues, all stages."""
-    story.verbose = config.verbose
+    terminal.verbose = config.verbose
     run_config = demo_config(config.size, config.run_dir)
     recipe = RECIPES[config.size]
     narrower = recipe.target.hidden // recipe.draft.hidden

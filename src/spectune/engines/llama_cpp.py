@@ -1,5 +1,5 @@
-"""llama.cpp's own binaries, built from the llama.cpp sources inside the pinned llama-cpp-python sdist (the same
-code the Python binding runs), once, into the user cache: `spectune tools build-llama-cpp`.
+"""llama.cpp's own binaries, built from the llama.cpp sources inside the pinned llama-cpp-python sdist with
+spectune's patches (the same code the Python binding runs), once, into the user cache: `spectune tools build-llama-cpp`.
 
 `llama-speculative-simple` is the peer `spectune bench --peer` compares our loop with; `llama-server` is the engine
 `spectune serve --engine llama.cpp` hands the tuned pair to; `llama-imatrix` and `llama-quantize` quantize a model
@@ -18,7 +18,8 @@ from pathlib import Path
 from spectune.atomic import atomic_path
 from spectune.cache import cache_root
 from spectune.errors import SpectuneError
-from spectune.llama_cpp_pin import fetch_sdist, llama_cpp_version
+from spectune.llama_cpp_patch import PatchError, apply_patches
+from spectune.llama_cpp_pin import fetch_sdist, llama_cpp_version, patched_build
 from spectune.runtime.build import llamafile_compiled
 
 SPECULATIVE_TOOL, SERVER = "llama-speculative-simple", "llama-server"
@@ -44,7 +45,7 @@ def llama_cpp_source() -> Path:
         if not (Path(override) / "CMakeLists.txt").is_file():
             raise SpectuneError(f"SPECTUNE_LLAMA_CPP_SRC={override}: no CMakeLists.txt there")
         return Path(override)
-    folder = cache_root() / "llama.cpp-src" / llama_cpp_version()
+    folder = cache_root() / "llama.cpp-src" / patched_build()
     if (folder / "CMakeLists.txt").is_file():
         return folder
     prefix = f"llama_cpp_python-{llama_cpp_version()}/vendor/llama.cpp/"
@@ -54,6 +55,10 @@ def llama_cpp_source() -> Path:
                 member.name = member.name[len(prefix) :]
                 if member.name:
                     archive.extract(member, tmp, filter="data")
+        try:
+            apply_patches(tmp)
+        except PatchError as error:
+            raise SpectuneError(str(error)) from error
     return folder
 
 
@@ -65,7 +70,7 @@ def tools_dir(variant: str = "cpu") -> Path:
     """Where the built binaries live: built with llamafile as the installed binding has it, so all run the same
     kernels (README "Identical answers")."""
     llamafile = _switch(llamafile_compiled())
-    return cache_root() / "llama.cpp-bin" / f"{llama_cpp_version()}-{variant}-llamafile-{llamafile}"
+    return cache_root() / "llama.cpp-bin" / f"{patched_build()}-{variant}-llamafile-{llamafile}"
 
 
 def tool_path(tool: str = SPECULATIVE_TOOL, variant: str = "cpu") -> Path:
@@ -81,7 +86,7 @@ def built_tool(tool: str, variant: str = "cpu") -> Path:
 
 
 def lib_dir(llamafile: bool) -> Path:
-    return cache_root() / "llama.cpp-lib" / f"{llama_cpp_version()}-llamafile-{_switch(llamafile)}"
+    return cache_root() / "llama.cpp-lib" / f"{patched_build()}-llamafile-{_switch(llamafile)}"
 
 
 def _cmake(build: Path, cmake_args: tuple[str, ...], targets: tuple[str, ...], jobs: int | None) -> None:

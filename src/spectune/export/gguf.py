@@ -6,9 +6,11 @@ under the final name.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -111,19 +113,33 @@ def export_model(
         raise SpectuneError(f"{model_dir} is an EAGLE-3 head: give the target it drafts for (--target-model-dir)")
     if quant in CONVERTER_TYPES:
         return convert(model_dir, out_file, quant, target_model_dir)
+    with f16_scratch(model_dir, out_file, target_model_dir) as intermediate:
+        quantize_f16(intermediate, out_file, quant, calibration, report)
+        if keep_f16:
+            os.replace(intermediate, out_file.with_name(out_file.stem + ".f16.gguf"))
+    return out_file
+
+
+@contextlib.contextmanager
+def f16_scratch(model_dir: Path, out_file: Path, target_model_dir: Path | None = None) -> Iterator[Path]:
+    """The model converted to an F16 GGUF in a private temporary folder beside `out_file`, removed on exit."""
     scratch = scratch_path(out_file, "f16")
     scratch.mkdir(parents=True, exist_ok=True)
     try:
-        intermediate = convert(model_dir, scratch / "model.f16.gguf", "F16", target_model_dir)
-        if calibration is not None and quant in IMATRIX_TYPES:
-            matrix, info = importance_matrix(intermediate, calibration)
-            quantize_with(intermediate, out_file, quant, matrix)
-            if report is not None:
-                report["imatrix"] = info
-        else:
-            quantize(intermediate, out_file, quant)
-        if keep_f16:
-            os.replace(intermediate, out_file.with_name(out_file.stem + ".f16.gguf"))
+        yield convert(model_dir, scratch / "model.f16.gguf", "F16", target_model_dir)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
-    return out_file
+
+
+def quantize_f16(
+    f16: Path, out_file: Path, quant: str, calibration: str | None = None, report: dict[str, Any] | None = None
+) -> Path:
+    """An F16 GGUF quantized to `quant`: weighted by an importance matrix on `calibration` where the type takes one
+    (said in `report["imatrix"]`), else plainly."""
+    if calibration is not None and quant in IMATRIX_TYPES:
+        matrix, info = importance_matrix(f16, calibration)
+        quantize_with(f16, out_file, quant, matrix)
+        if report is not None:
+            report["imatrix"] = info
+        return out_file
+    return quantize(f16, out_file, quant)

@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import shlex
 from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import Field
 
-from spectune.atomic import atomic_path
+from spectune.atomic import atomic_path, scratch_path
 from spectune.data.read import read_dialogues
 from spectune.engines.llama_cpp import IMATRIX_TOOL, QUANTIZE_TOOL, SERVER, build_llama_cpp, tool_path
 from spectune.engines.llama_server import server_command
@@ -134,10 +135,10 @@ def export_checked(
     `conversations`) and that the GGUF's chat template renders their prompts as HF's does, measure fidelity on the
     first `fidelity_dialogues`."""
     tokenizer = load_tokenizer(folder)
-    rendered = [tokenizer.apply_chat_template(messages, tokenize=False) for messages in calibration]
     entry: dict[str, Any] = {"gguf": str(out_file)}
     quant, keep_f16 = check_quant(config.quant), config.keep_f16
-    export_model(folder, out_file, quant, keep_f16=keep_f16, calibration="\n".join(rendered) or None, report=entry)
+    text = calibration_text(folder, calibration)
+    export_model(folder, out_file, quant, keep_f16=keep_f16, calibration=text, report=entry)
     texts = [tokenizer.apply_chat_template(messages, tokenize=False) for messages in conversations]
     entry |= {
         "bytes": out_file.stat().st_size,
@@ -149,7 +150,38 @@ def export_checked(
         entry["f16_bytes"] = f16.stat().st_size
     if texts[: config.fidelity_dialogues]:
         entry["fidelity"] = fidelity(folder, out_file, texts[: config.fidelity_dialogues])
+        if "imatrix" in entry:
+            keep_the_closer(folder, out_file, quant, texts[: config.fidelity_dialogues], entry)
     return entry
+
+
+def closeness(figures: dict[str, Any]) -> tuple[float, float]:
+    """How close a GGUF is to its HF weights: top-1 agreement first, then perplexity (lower is closer)."""
+    return figures["top1_agreement"], -figures["perplexity_gguf"]
+
+
+def keep_the_closer(folder: Path, weighted: Path, quant: str, texts: list[str], entry: dict[str, Any]) -> None:
+    """The importance matrix is not better everywhere (measured: a tuned Qwen 0.5B draft at Q5_K_M, the demo target
+    at Q4_K_M): quantize plainly too and keep whichever file is closer to the HF weights on the held-out `texts`,
+    saying so in `entry` (its fidelity the kept file's, the other's beside it)."""
+    plain = scratch_path(weighted, "plain")
+    try:
+        export_model(folder, plain, quant)
+        plain_fidelity = fidelity(folder, plain, texts)
+        kept = closeness(entry["fidelity"]) >= closeness(plain_fidelity)
+        entry["imatrix"] |= {"kept": kept, "plain_fidelity": plain_fidelity, "weighted_fidelity": entry["fidelity"]}
+        if not kept:
+            os.replace(plain, weighted)
+            entry["fidelity"] = plain_fidelity
+    finally:
+        plain.unlink(missing_ok=True)
+
+
+def calibration_text(folder: Path, dialogues: list[list[dict[str, str]]]) -> str | None:
+    """The text a model's importance matrix is computed on: `dialogues` rendered with its own chat template (None
+    without any). The same dialogues give the same text, so the matrix cache serves every type of one model."""
+    tokenizer = load_tokenizer(folder)
+    return "\n".join(tokenizer.apply_chat_template(messages, tokenize=False) for messages in dialogues) or None
 
 
 def matrix_use(config: ExportPairConfig) -> tuple[bool, str]:
@@ -168,8 +200,15 @@ def held_out(data: Path | None, n: int) -> list[list[dict[str, str]]]:
 
 
 def export_pair(config: ExportPairConfig) -> dict[str, Any]:
-    """Export the target and its drafts, check each pair and the tokenizer, report fidelity; write the pair to
-    serve (pair.json) and llama.cpp's server command for it (llama-server.sh)."""
+    """`spectune export-pair`: the GGUFs and their checks (export_models), then the pair to serve (pair.json, at the
+    acceptance report's choice where given) and llama.cpp's server command for it (llama-server.sh)."""
+    report = export_models(config)
+    acceptance = json.loads(config.acceptance.read_text()) if config.acceptance else None
+    return report | write_pair(config, acceptance)
+
+
+def export_models(config: ExportPairConfig) -> dict[str, Any]:
+    """Export the target and its drafts, check each pair and the tokenizer, report fidelity (export.json)."""
     quant = check_quant(config.quant)
     drafts = {name: resolve_model(path) for name, path in config.drafts.items()}
     config = config.model_copy(update={"target": resolve_model(config.target), "drafts": drafts})
@@ -193,8 +232,7 @@ def export_pair(config: ExportPairConfig) -> dict[str, Any]:
         report["pairs"][name] = check_pair(target_file, draft_file)
     with atomic_path(config.out / EXPORT_REPORT) as tmp:
         tmp.write_text(json.dumps(report, indent=2))
-    acceptance = json.loads(config.acceptance.read_text()) if config.acceptance else None
-    return report | write_pair(config, acceptance)
+    return report
 
 
 def write_pair(config: ExportPairConfig, acceptance: dict[str, Any] | None) -> dict[str, Any]:
@@ -204,7 +242,8 @@ def write_pair(config: ExportPairConfig, acceptance: dict[str, Any] | None) -> d
     target_file = config.out / gguf_name(TARGET, quant)
     variant, k = choose_draft(list(config.drafts), acceptance)
     name = variant.draft or ""
-    draft_file = config.out / gguf_name(name, quant)
+    swept = (acceptance or {}).get("draft_types", {}).get("drafts", {})  # the type chosen for each draft model
+    draft_file = Path(swept[name]["gguf"]) if name in swept else config.out / gguf_name(name, quant)
     fronted = acceptance if acceptance and variant.lookups else None  # lookup in front: its settings and answers
     chosen = ChosenPair(
         target=target_file,

@@ -7,7 +7,7 @@ from typing import Any
 
 from spectune.export.gguf import export_model
 from spectune.layout import DEFAULT_QUANT
-from spectune.models.world import read_manifest, write_manifest
+from spectune.models.demo_pair import read_manifest, write_manifest
 from spectune.runtime.profile import measure_profile
 
 

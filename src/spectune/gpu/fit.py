@@ -101,13 +101,6 @@ class FitReport:
         errors = sorted(abs(h.error) for h in self.held_out)
         return errors[min(len(errors) - 1, int(BAND_QUANTILE * len(errors)))]
 
-    def by_card(self) -> dict[str, float]:
-        """The median leave-one-out error of each card's rows."""
-        cards: dict[str, list[float]] = {}
-        for held in self.held_out:
-            cards.setdefault(held.row.card.name, []).append(abs(held.error))
-        return {card: statistics.median(errors) for card, errors in cards.items()}
-
 
 def leave_one_out(rows: list[PublishedRow]) -> list[HeldOut]:
     held = []

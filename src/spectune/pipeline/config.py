@@ -16,9 +16,9 @@ from spectune.errors import Problem, SpectuneError
 from spectune.export.gguf import check_quant
 from spectune.export.pair import ExportSettings
 from spectune.layout import RunLayout
+from spectune.models.demo_pair import RECIPES
 from spectune.models.imported import REAL_MODELS
 from spectune.models.resolve import MODEL_REFERENCE, is_hub_id
-from spectune.models.world import RECIPES
 from spectune.runtime.ngram import NgramSettings
 from spectune.threads import ThreadsSettings
 from spectune.train.draft import (

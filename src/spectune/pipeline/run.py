@@ -19,6 +19,7 @@ from collections.abc import Callable
 from importlib.metadata import version
 from typing import Any
 
+from spectune.acceptance.draft_types import type_table
 from spectune.atomic import atomic_path
 from spectune.cache import path_hash
 from spectune.config import Settings
@@ -28,7 +29,7 @@ from spectune.layout import RunLayout
 from spectune.pipeline.config import RunConfig
 from spectune.pipeline.stages import Context, Stage, stages
 from spectune.runtime.chosen import ChosenPair
-from spectune.story import chatter_to, story
+from spectune.terminal import chatter_to, terminal
 from spectune.threads import configure_torch_threads
 from spectune.train.plan import parse_memory, plan_report, read_shape
 
@@ -92,7 +93,7 @@ class Run:
         record = self.manifest["stages"].get(stage.name, {})
         header = f"{number}/{total} {stage.name}"
         if self.should_skip(stage, record, key):
-            story.console().print(f"[dim]{header}: unchanged, skipped[/]", soft_wrap=True)
+            terminal.console().print(f"[dim]{header}: unchanged, skipped[/]", soft_wrap=True)
             self.outputs[stage.name] = record["outputs"]
             return record["outputs"]
         context.resuming = record.get("status") == "running" and record.get("inputs") == key
@@ -102,7 +103,7 @@ class Run:
         outputs = self.step(stage, context, header)
         seconds = round(time.perf_counter() - start, 2)
         figure = FIGURES[stage.name.split(":")[0]](outputs)
-        story.console().print(f"[green]✓[/] {header}: {figure} ({seconds:.0f} s)", soft_wrap=True)
+        terminal.console().print(f"[green]✓[/] {header}: {figure} ({seconds:.0f} s)", soft_wrap=True)
         self.manifest["stages"][stage.name] = {
             "status": "done",
             "inputs": key,
@@ -136,7 +137,7 @@ def _losses(outputs: dict[str, Any]) -> str:
 def _served(chosen: dict[str, Any]) -> str:
     """The pair.json's variant and its k."""
     pair = ChosenPair.model_validate(chosen)
-    return f"{pair.variant.name} at k = {pair.k}"
+    return f"{pair.variant.name} ({pair.draft.name}) at k = {pair.k}"
 
 
 # Each stage's own figure, printed when it ends.
@@ -239,6 +240,8 @@ def write_run_report(run: Run, summary: dict[str, Any]) -> None:
     stages_run = run.manifest["stages"]
     lines = ["# spectune run", "", summary["line"], "", "| stage | seconds |", "|---|---|"]
     lines += [f"| {name} | {record.get('seconds', '-')} |" for name, record in stages_run.items()]
+    sweep = run.outputs["acceptance"].get("draft_types")
+    lines += ["", *type_table(sweep)] if sweep else []
     bench_md = run.layout.bench_dir / "report.md"
     if bench_md.is_file():
         lines += ["", bench_md.read_text()]

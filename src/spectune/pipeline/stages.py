@@ -18,13 +18,13 @@ from spectune.cache import path_hash
 from spectune.data.demo import generate_dialogues
 from spectune.data.prepare import split_dialogues
 from spectune.data.read import read_dialogues, write_jsonl
-from spectune.export.pair import ExportPairConfig, export_pair, write_pair
+from spectune.export.pair import ExportPairConfig, export_models, write_pair
 from spectune.export.profile import profile_pair
 from spectune.layout import CONTROL_DRAFT, TARGET, RunLayout
+from spectune.models.demo_pair import build_pair
 from spectune.models.derive import derive_draft
 from spectune.models.imported import fetch
 from spectune.models.resolve import is_hub_id, model_folder, resolve_model
-from spectune.models.world import build_pair
 from spectune.pipeline.config import DERIVED_LAYERS, DRAFT_FIELDS, TARGET_FIELDS, RunConfig
 from spectune.threads import thread_count
 from spectune.train.draft import (
@@ -192,8 +192,8 @@ def export_config(context: Context) -> ExportPairConfig:
 
 
 def export_stage(context: Context) -> dict[str, Any]:
-    """The GGUFs and their checks (pair.json names the first draft until the acceptance stage chooses)."""
-    report = export_pair(export_config(context))
+    """The GGUFs and their checks; the acceptance stage measures them and writes the pair to serve (pair.json)."""
+    report = export_models(export_config(context))
     return {"files": {name: entry["gguf"] for name, entry in report["models"].items()}, "reports": report}
 
 
@@ -202,6 +202,7 @@ def acceptance_stage(context: Context) -> dict[str, Any]:
     pair to serve, at its recommended k."""
     ggufs = {name: context.layout.gguf(name) for name in (TARGET, *context.drafts())}
     ngram = context.config.drafts.ngram
+    weighted = context.outputs["export"]["reports"]["imatrix"]["used"]  # a draft's other types quantized alike
     config = acceptance_config(
         context,
         context.drafts(),
@@ -209,6 +210,8 @@ def acceptance_stage(context: Context) -> dict[str, Any]:
         ggufs=ggufs,
         ngram=ngram,
         ngram_data=domain_data(context) if ngram else None,
+        calibration_data=context.layout.train_file if weighted else None,
+        threads=context.config.threads,
     )
     report = run_acceptance(config)
     return report | write_pair(export_config(context), report)
@@ -219,7 +222,7 @@ def bench_stage(context: Context) -> dict[str, Any]:
     config = BenchConfig(
         target=layout.gguf(TARGET),
         # an EAGLE-3 head runs only in llama.cpp's own loop: benchmarks/eagle3.py measures it
-        drafts={name: layout.gguf(name) for name in context.drafts() if name != EAGLE3},
+        drafts={name: served_gguf(context, name) for name in context.drafts() if name != EAGLE3},
         data=layout.eval_file,
         out=layout.bench_dir,
         recommended_k={row["name"]: row["recommended_k"] for row in context.outputs["acceptance"]["drafts"]},
@@ -229,6 +232,12 @@ def bench_stage(context: Context) -> dict[str, Any]:
         **context.config.bench.model_dump(),
     )
     return {"summary": bench(config)["summary"], "report": str(layout.bench_dir / "report.md")}
+
+
+def served_gguf(context: Context, name: str) -> Path:
+    """A draft's GGUF at the type the acceptance stage chose for it (the export's where it measured none)."""
+    swept = context.outputs["acceptance"].get("draft_types", {}).get("drafts", {})
+    return Path(swept[name]["gguf"]) if name in swept else context.layout.gguf(name)
 
 
 def domain_data(context: Context) -> Path:

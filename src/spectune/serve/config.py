@@ -86,7 +86,7 @@ class ServeConfig(DecodeSettings, ModeSettings, LlamaSettings, SpeculatorSetting
     )
 
     @model_validator(mode="after")
-    def _pair(self) -> ServeConfig:
+    def _fill_from_run(self) -> ServeConfig:
         own = sorted(SPECTUNE_ONLY & self.model_fields_set)
         if self.engine == "llama.cpp" and own:
             raise ValueError(f"{', '.join(own)}: settings of spectune's own server, not of --engine llama.cpp")

@@ -26,7 +26,7 @@ from spectune.data.read import Dialogue, read_dialogues
 from spectune.data.render import RenderStats, render_all
 from spectune.errors import SpectuneError
 from spectune.models.load import save_tokenizer
-from spectune.story import story
+from spectune.terminal import terminal
 
 console = Console()
 
@@ -160,7 +160,7 @@ def trainer_settings(config: TrainConfig) -> dict[str, Any]:
         "packing": False,
         "dataloader_num_workers": 0,
         "include_num_input_tokens_seen": "all",
-        "disable_tqdm": not story.verbose,  # else spectune's own steps line (StepProgress) says how far it is
+        "disable_tqdm": not terminal.verbose,  # else spectune's own steps line (StepProgress) says how far it is
     }
 
 

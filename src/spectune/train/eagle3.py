@@ -26,7 +26,7 @@ from pydantic import BaseModel, Field, model_validator
 
 from spectune.atomic import atomic_path
 from spectune.errors import SpectuneError
-from spectune.llama_cpp_pin import llama_cpp_version
+from spectune.llama_cpp_pin import patched_build
 from spectune.models.load import load_tokenizer
 from spectune.models.resolve import MODEL_REFERENCE, resolve_model
 from spectune.progress import Ticker, progress
@@ -45,14 +45,15 @@ from spectune.train.eagle3_head import (
     aux_layers,
     head_config,
     head_module,
+    head_rope,
     save_head,
     shifted,
     unroll,
 )
 
-# HF model types whose llama.cpp graph hands its layer inputs to a draft (sets t_layer_inp) in the pinned sources.
-# qwen2 (Qwen2.5) and gemma3 do not.
-LAYER_INPUT_MODEL_TYPES = ("llama", "mistral", "qwen3", "qwen3_moe")
+# HF model types whose llama.cpp graph hands its layer inputs to a draft (sets t_layer_inp): in the pinned sources,
+# and qwen2 (Qwen2.5) and gemma3 with spectune's patch (llama_cpp_patches/layer-inputs.patch).
+LAYER_INPUT_MODEL_TYPES = ("llama", "mistral", "qwen3", "qwen3_moe", "qwen2", "gemma3_text", "gemma3")
 STEP_WEIGHT = 0.8  # the loss of unrolled step i weighs STEP_WEIGHT**i: later steps matter only if earlier ones hit
 REPORT = "eagle3.json"
 EAGLE3 = "eagle3"  # the head's name among a run's drafts
@@ -108,10 +109,10 @@ def check_target(target: Path) -> dict[str, Any]:
     if model_type not in LAYER_INPUT_MODEL_TYPES:
         raise SpectuneError(
             f"{target}: an EAGLE-3 head drafts from the target's layer inputs, and the pinned llama.cpp "
-            f"({llama_cpp_version()}) hands them over only for {', '.join(LAYER_INPUT_MODEL_TYPES)}; this target is "
+            f"({patched_build()}) hands them over only for {', '.join(LAYER_INPUT_MODEL_TYPES)}; this target is "
             f"{model_type!r} (its graph does not set t_layer_inp)"
         )
-    rope_type = (config.get("rope_parameters") or config.get("rope_scaling") or {}).get("rope_type", "default")
+    rope_type = head_rope(config)["rope_type"]
     if rope_type != "default":
         raise SpectuneError(f"{target}: RoPE scaling {rope_type!r}: the head trains with plain RoPE only, for now")
     return config

@@ -23,10 +23,19 @@ def aux_layers(n_layers: int) -> list[int]:
     return [min(1, n_layers - 1), n_layers // 2, n_layers - 1]
 
 
+def head_rope(target: dict[str, Any]) -> dict[str, Any]:
+    """The RoPE the head's own attention uses: the target's (its global attention's where each layer type has its
+    own, as Gemma 3's sliding and full attention do)."""
+    rope = target.get("rope_parameters") or target.get("rope_scaling") or {}
+    if "full_attention" in rope:
+        rope = rope["full_attention"]
+    return {"rope_type": "default", "rope_theta": target.get("rope_theta", 10000.0), **rope}
+
+
 def head_config(target: dict[str, Any], intermediate_size: int | None, layers: list[int], vocab: int) -> dict[str, Any]:
     """config.json of the head: a one-layer llama with EAGLE-3's keys, as llama.cpp's converter reads it."""
     hidden, heads = target["hidden_size"], target["num_attention_heads"]
-    rope = target.get("rope_parameters") or {"rope_theta": target.get("rope_theta", 10000.0), "rope_type": "default"}
+    rope = head_rope(target)
     return {
         "architectures": [EAGLE3_ARCHITECTURE],
         "model_type": "llama",

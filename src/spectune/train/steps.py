@@ -8,7 +8,7 @@ from typing import Any
 from transformers import PrinterCallback, ProgressCallback, TrainerCallback
 
 from spectune.progress import Ticker
-from spectune.story import story
+from spectune.terminal import terminal
 from spectune.train.common import is_main_process
 
 
@@ -35,7 +35,7 @@ class StepProgress(TrainerCallback):
 
 def show_steps(trainer: Any, description: str) -> None:
     """Unless --verbose: the trainer's steps as one progress line named `description` (rank 0 only)."""
-    if story.verbose:
+    if terminal.verbose:
         return
     trainer.remove_callback(PrinterCallback)
     trainer.remove_callback(ProgressCallback)

@@ -87,7 +87,8 @@ def run_peer(
     # llama.cpp's logger is an unflushed background queue, so its closing stats are lost at exit about half the
     # time (upstream issue 22142): run again until they come through.
     for _attempt in range(LOG_ATTEMPTS):
-        result = subprocess.run(command, capture_output=True, text=True, env=env)
+        # errors="replace": a small model may stop inside a character's UTF-8 bytes
+        result = subprocess.run(command, capture_output=True, text=True, errors="replace", env=env)
         log = result.stdout + result.stderr
         if result.returncode != 0:
             raise SpectuneError(f"{TOOL} failed (exit {result.returncode}):\n{log[-1500:]}")

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from rich.console import Console
 
-# Loggers whose records are chatter around the story ("py.warnings": Python warnings, once captured).
+# Loggers whose records are chatter around what spectune says ("py.warnings": Python warnings, once captured).
 LIBRARY_LOGGERS = (
     "transformers",
     "datasets",
@@ -28,19 +28,19 @@ LIBRARY_LOGGERS = (
 )
 
 
-class Story:
-    """Where the story goes: the terminal the process started with, also while a stage's chatter is redirected."""
+class Terminal:
+    """Where spectune speaks: the terminal the process started with, also while a stage's chatter is redirected."""
 
     def __init__(self) -> None:
         self.verbose = False
-        self.terminal: Console | None = None  # while chatter is redirected: the one console on the real stdout
+        self.live: Console | None = None  # while chatter is redirected: the one console on the real stdout
 
     def console(self) -> Console:
-        """The console to tell the story on (one instance while a stage runs: its live displays nest)."""
-        return self.terminal if self.terminal is not None else Console()
+        """The console to speak on (one instance while a stage runs: its live displays nest)."""
+        return self.live if self.live is not None else Console()
 
 
-story = Story()
+terminal = Terminal()
 
 
 def _silence_progress_bars(silent: bool) -> None:
@@ -61,10 +61,10 @@ def _silence_progress_bars(silent: bool) -> None:
 
 @contextlib.contextmanager
 def chatter_to(log_path: Path) -> Iterator[Console]:
-    """Run the block with the libraries' output in `log_path` and the story still on the terminal (nothing moves
-    with --verbose); yields the console to tell the story on."""
-    if story.verbose:
-        yield story.console()
+    """Run the block with the libraries' output in `log_path` and spectune's own lines still on the terminal
+    (nothing moves with --verbose); yields the console to speak on."""
+    if terminal.verbose:
+        yield terminal.console()
         return
     log_path.parent.mkdir(parents=True, exist_ok=True)
     loggers = [logging.getLogger(name) for name in LIBRARY_LOGGERS]
@@ -76,12 +76,12 @@ def chatter_to(log_path: Path) -> Iterator[Console]:
             logger.handlers, logger.propagate = [handler], False
         logging.captureWarnings(True)
         _silence_progress_bars(True)
-        story.terminal = Console(file=sys.stdout)
+        terminal.live = Console(file=sys.stdout)
         try:
             with contextlib.redirect_stdout(log), contextlib.redirect_stderr(log):
-                yield story.terminal
+                yield terminal.live
         finally:
-            story.terminal = None
+            terminal.live = None
             _silence_progress_bars(False)
             logging.captureWarnings(False)
             for logger, (handlers, propagate) in zip(loggers, saved, strict=True):

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from spectune.bench.peer import generated_text, run_peer
+from spectune.bench.llama_cpp_loop import generated_text, run_peer
 from spectune.engines.llama_cpp import defaults_env
 from spectune.engines.llama_server import server_env, speculation_flags
 from spectune.errors import SpectuneError

@@ -1,0 +1,67 @@
+"""Each draft's type chosen by measurement (acceptance/draft_types.py): the match flags come from llama.cpp on the
+quantized files, aligned with the answers the real loop gives, and the type served is the one predicted fastest."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from spectune.acceptance.draft_types import gguf_matches, sweep_types, target_answers, type_table
+from spectune.data.prepare import extract_prompts
+from spectune.data.read import read_dialogues
+from spectune.engines.llama_cpp import build_llama_cpp
+from spectune.export.gguf import export_model
+from spectune.export.pair import calibration_text, held_out
+from spectune.gpu.card import GROUNDED_PROFILE
+from spectune.runtime.decode import DecodeSettings
+from spectune.runtime.llama import LlamaModel
+from spectune.runtime.speculative import SpeculativeDecoder
+
+
+def prompts_of(demo_data, n: int) -> list:
+    return extract_prompts(read_dialogues(demo_data).dialogues[-n:], n=n)
+
+
+def test_the_targets_answers_are_the_loops_and_a_gguf_matches_itself_everywhere(pair, demo_data):
+    target_file, draft_file = pair
+    target, draft = LlamaModel(target_file, threads=1), LlamaModel(draft_file, threads=1)
+    try:
+        answered = target_answers(target, prompts_of(demo_data, 3), max_tokens=12)
+        alone = SpeculativeDecoder(target)
+        for prompt, answer in answered:
+            alone.forget()
+            generated = alone.generate(prompt, DecodeSettings(max_tokens=12, draft_max=0)).tokens
+            assert answer[: len(generated)] == generated and len(answer) - len(generated) <= 1  # + its end token
+        itself = gguf_matches(target, answered)
+        assert [len(flags) for flags in itself] == [len(answer) for _, answer in answered]
+        assert all(all(flags) for flags in itself)  # an off-by-one alignment would miss here
+        by_draft = [flag for flags in gguf_matches(draft, answered) for flag in flags]
+        assert 0 < sum(by_draft) < len(by_draft)  # a smaller, other model: right sometimes, not always
+    finally:
+        target.close()
+        draft.close()
+
+
+def test_every_type_plain_and_weighted_is_measured_made_anew_and_the_fastest_on_the_card_chosen(
+    pair, sft_draft, demo_data, tmp_path
+):
+    build_llama_cpp()  # llama-imatrix and llama-quantize weigh a type by the importance matrix
+    exported = export_model(sft_draft, tmp_path / "sft.Q4_K_M.gguf", "Q4_K_M")
+    (tmp_path / "types").mkdir()
+    (tmp_path / "types" / "sft.Q8_0.gguf").write_text("left by an earlier run")  # never trusted: other weights
+    calibration = {"sft": calibration_text(sft_draft, held_out(demo_data, 200))}
+    sweep = sweep_types(
+        pair[0], {"sft": (sft_draft, exported)}, prompts_of(demo_data, 3), 12, ["Q4_K_M", "q8_0"], calibration, 1
+    )
+    entry = sweep["drafts"]["sft"]
+    rows = {row["label"]: row for row in entry["types"]}
+    # Q8_0 takes no matrix: weighted only where the type uses one
+    assert sweep["types"] == ["Q4_K_M", "Q8_0"] and list(rows) == ["Q4_K_M", "Q4_K_M+imatrix", "Q8_0"]
+    assert rows["Q8_0"]["bytes"] == (tmp_path / "types" / "sft.Q8_0.gguf").stat().st_size > rows["Q4_K_M"]["bytes"]
+    assert Path(rows["Q4_K_M+imatrix"]["gguf"]).name == "sft.Q4_K_M-imatrix.gguf"
+    assert rows["Q8_0"]["cost_ratio"]["gpu"] > rows["Q4_K_M"]["cost_ratio"]["gpu"]  # it reads more bytes a step
+    assert all(row["chosen_by"]["profile"] == GROUNDED_PROFILE for row in rows.values())
+    best = max(rows.values(), key=lambda row: row["chosen_by"]["speedup"])
+    assert entry["chosen"] == best["label"] and entry["gguf"] == best["gguf"]
+    assert sweep["answer_tokens"] > 0 and all(0 < row["alpha"] < 1 for row in rows.values())
+    table = type_table(sweep)
+    assert sum("| sft |" in line for line in table) == 3 and sum(line.endswith("| chosen |") for line in table) == 1
