@@ -7,7 +7,8 @@ target alone at k = 3, and times one-token decoding, verification r(k+1) and a 1
 run in turn within each round (interleaved); times are medians over rounds, identity counts come from the first.
 
 Usage: python benchmarks/identity.py --name smollm2_sgd --data ../shared/data/sgd/dev.jsonl \
-    --pair smollm2-Q4_K_M=TARGET.gguf,DRAFT.gguf --lib llamafile-on=~/.cache/spectune/llama.cpp-lib/0.3.36-llamafile-on
+    --pair smollm2-Q4_K_M=TARGET.gguf,DRAFT.gguf \
+    --lib llamafile-on=~/.cache/spectune/llama.cpp-lib/0.3.36+spectune.DIGEST-llamafile-on
 """
 
 from __future__ import annotations

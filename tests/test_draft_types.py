@@ -5,13 +5,18 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from spectune.acceptance.draft_types import gguf_matches, sweep_types, target_answers, type_table
+from spectune.config import validate
 from spectune.data.prepare import extract_prompts
 from spectune.data.read import read_dialogues
 from spectune.engines.llama_cpp import build_llama_cpp
+from spectune.errors import SpectuneError
 from spectune.export.gguf import export_model
 from spectune.export.pair import calibration_text, held_out
 from spectune.gpu.card import GROUNDED_PROFILE
+from spectune.pipeline.config import RunConfig
 from spectune.runtime.decode import DecodeSettings
 from spectune.runtime.llama import LlamaModel
 from spectune.runtime.speculative import SpeculativeDecoder
@@ -65,3 +70,10 @@ def test_every_type_plain_and_weighted_is_measured_made_anew_and_the_fastest_on_
     assert sweep["answer_tokens"] > 0 and all(0 < row["alpha"] < 1 for row in rows.values())
     table = type_table(sweep)
     assert sum("| sft |" in line for line in table) == 3 and sum(line.endswith("| chosen |") for line in table) == 1
+
+
+def test_an_unknown_type_is_refused_when_the_config_is_read():
+    with pytest.raises(SpectuneError, match=r"\[acceptance\.draft_types\].*'Q9'"):
+        validate(RunConfig, {"run_dir": "run", "acceptance": {"draft_types": ["Q4_K_M", "Q9"]}}, "run.yaml")
+    read = validate(RunConfig, {"run_dir": "run", "acceptance": {"draft_types": ["q6_k"]}}, "run.yaml")
+    assert read.acceptance.draft_types == ["Q6_K"]

@@ -9,6 +9,7 @@ import httpx
 import pytest
 from conftest import run_cli, running
 
+from spectune.llama_cpp_pin import patched_build
 from spectune.runtime.chat import chat_prompt
 from spectune.runtime.decode import DecodeSettings
 from spectune.runtime.llama import LlamaModel
@@ -47,7 +48,8 @@ def test_openai_client_non_stream_and_stream_match_the_engine(server, pair, mess
     assert reply.choices[0].message.content == expected
     assert reply.usage.completion_tokens > 0
     # Which build and setting made the answer: the install's, exact, so identical to the target alone.
-    assert reply.system_fingerprint == "llama-cpp-python 0.3.36, llamafile off; exact on; identical to the target alone"
+    patched = f"llama-cpp-python {patched_build()}, llamafile off"  # the install's build: the pin with spectune's patch
+    assert reply.system_fingerprint == f"{patched}; exact on; identical to the target alone"
     pieces, parts = [], []
     stream = client.chat.completions.create(
         model="spectune", messages=messages, max_tokens=24, stream=True, stream_options={"include_usage": True}

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from spectune.acceptance.meter import DraftAcceptance, Profile, acceptance_row
 from spectune.config import Settings
@@ -43,6 +43,15 @@ class DraftTypesSettings(Settings):
         description="GGUF types each draft model is measured at in llama.cpp (with the exported GGUFs); the one with "
         "the best predicted speedup on the reference card is served. [] serves every draft at export.quant.",
     )
+
+    @field_validator("draft_types")
+    @classmethod
+    def _known_types(cls, types: list[str]) -> list[str]:
+        """Checked when the config is read, not after the training stages."""
+        try:
+            return [check_quant(quant) for quant in types]
+        except SpectuneError as error:
+            raise ValueError(str(error)) from error
 
 
 def card_profiles(draft: Weights, target: Weights, source: str) -> list[Profile]:
@@ -83,7 +92,9 @@ def gguf_matches(draft: LlamaModel, answered: list[tuple[list[int], list[int]]])
         if not answer:
             continue
         draft.truncate(0)
-        logits = draft.decode(prompt + answer[:-1], 0)[len(prompt) - 1 :]
+        if len(prompt) > 1:  # the logits that matter predict the answer: from the prompt's last token on
+            draft.decode(prompt[:-1], 0, all_logits=False)
+        logits = draft.decode(prompt[-1:] + answer[:-1], len(prompt) - 1)
         matches.append([bool(token == expected) for token, expected in zip(logits.argmax(-1), answer, strict=True)])
     return matches
 
