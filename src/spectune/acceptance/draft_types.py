@@ -154,6 +154,12 @@ def best_speedup(row: DraftAcceptance) -> tuple[str, int, float]:
     return key, k, row.speedup[key][k]
 
 
+def card_band(row: DraftAcceptance, k: int, draft: Weights, target: Weights) -> tuple[float, float]:
+    """The reference card's speedup at k, at its worst and best over the fit's spread of c and r."""
+    card = reference_card()
+    return card.speedup_band(row.tau_simulated[k], k, card.cost_ratio_band(draft, target), target)
+
+
 def sweep_draft(
     name: str,
     folder: Path,
@@ -192,6 +198,8 @@ def sweep_draft(
                     "speedup": row.speedup,
                     "best_k": row.best_k,
                     "chosen_by": {"profile": key, "k": k, "speedup": best},
+                    # the card's figure with its band (the fit's leave-one-out spread of c and r)
+                    "card_band": card_band(row, k, weights, target_weights) if key == GROUNDED_PROFILE else None,
                 }
             )
         )
@@ -234,11 +242,12 @@ def sweep_types(
 
 
 def type_table(sweep: dict[str, Any]) -> list[str]:
-    """The trade-off of every draft's types, as markdown: what each costs (bytes, c) and buys (α, τ, S)."""
+    """The trade-off of every draft's types, as markdown: what each costs (bytes, c) and buys (α, τ, S at k, the best k
+    on the card)."""
     lines = [
         f"### Draft types ({sweep['prompts']} prompts, {sweep['answer_tokens']} target tokens, {sweep['seconds']} s)",
         "",
-        "| draft | type | MB | α | α at 1/2/3 | c bytes / card | best k (card) | τ there | S bytes / card | |",
+        "| draft | type | MB | α | α at 1/2/3 | c bytes / card | k | τ | predicted S: bytes / card (band) | |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, entry in sweep["drafts"].items():
@@ -253,6 +262,8 @@ def type_table(sweep: dict[str, Any]) -> list[str]:
                 for key in (GPU_PROFILE, GROUNDED_PROFILE)
                 if key in row["speedup"]
             )
+            if row.get("card_band"):
+                speedups += " ({:.2f}-{:.2f}x)".format(*row["card_band"])
             mark = "chosen" if row["label"] == entry["chosen"] else ""
             lines.append(
                 f"| {name} | {row['label']} | {row['bytes'] / 1e6:.1f} | {row['alpha']:.1%} | {by_position} | {costs} "
