@@ -13,7 +13,7 @@ from spectune.data.read import read_dialogues
 from spectune.engines.llama_cpp import build_llama_cpp
 from spectune.errors import SpectuneError
 from spectune.export.gguf import convert, export_model
-from spectune.export.pair import TOKENIZER_DIALOGUES, ExportPairConfig, export_pair, fidelity, write_pair
+from spectune.export.pair import TOKENIZER_DIALOGUES, ExportPairConfig, closeness, export_pair, fidelity, write_pair
 from spectune.models.load import load_tokenizer
 from spectune.models.tokenizer_check import STRESS_STRINGS
 from spectune.runtime.llama import LlamaModel
@@ -178,5 +178,18 @@ def test_the_pair_export_quantizes_with_each_models_matrix_where_training_dialog
     matrices = {role: report["models"][role]["imatrix"]["file"] for role in ("target", "draft")}
     assert len(set(matrices.values())) == 2  # each model its own
     assert report["imatrix"]["used"] is True
+    # Weighted and plain compared by fidelity on the held-out dialogues: the closer file is the one on disk
+    for role, folder in (("target", tuned_target), ("draft", sft_draft)):
+        entry, weighing = report["models"][role], report["models"][role]["imatrix"]
+        assert entry["fidelity"] == max(weighing["weighted_fidelity"], weighing["plain_fidelity"], key=closeness)
+        assert entry["fidelity"] == weighing["weighted_fidelity" if weighing["kept"] else "plain_fidelity"]
+        tokenizer = load_tokenizer(folder)
+        texts = [tokenizer.apply_chat_template(d.messages, tokenize=False) for d in read_dialogues(demo_data).dialogues]
+        assert fidelity(folder, Path(entry["gguf"]), texts[: config.fidelity_dialogues]) == entry["fidelity"]
+    # nothing left beside the GGUFs: no F16, no plain file
+    assert sorted(path.name for path in tmp_path.iterdir() if ".gguf" in path.name) == [
+        "draft.Q4_K_M.gguf",
+        "target.Q4_K_M.gguf",
+    ]
     off = export_pair(config.model_copy(update={"imatrix": "off", "out": tmp_path / "off"}))
     assert "imatrix" not in off["models"]["target"] and off["imatrix"] == {"used": False, "why": "imatrix off"}

@@ -17,7 +17,7 @@ from spectune.data.read import read_dialogues
 from spectune.engines.llama_cpp import IMATRIX_TOOL, QUANTIZE_TOOL, SERVER, build_llama_cpp, tool_path
 from spectune.engines.llama_server import server_command
 from spectune.errors import SpectuneError
-from spectune.export.gguf import QuantSettings, check_quant, export_model
+from spectune.export.gguf import QuantSettings, check_quant, export_model, quantize
 from spectune.export.llama_flags import check_command
 from spectune.layout import CHOSEN_PAIR, CONTROL_DRAFT, EXPORT_REPORT, SERVER_SCRIPT, TARGET, gguf_name
 from spectune.models.load import is_eagle3_head, load_tokenizer
@@ -138,20 +138,25 @@ def export_checked(
     entry: dict[str, Any] = {"gguf": str(out_file)}
     quant, keep_f16 = check_quant(config.quant), config.keep_f16
     text = calibration_text(folder, calibration)
-    export_model(folder, out_file, quant, keep_f16=keep_f16, calibration=text, report=entry)
     texts = [tokenizer.apply_chat_template(messages, tokenize=False) for messages in conversations]
-    entry |= {
-        "bytes": out_file.stat().st_size,
-        "tokenizer_strings_checked": check_tokenizer(tokenizer, out_file, texts),
-        "template_prompts_checked": check_template(tokenizer, out_file, conversations),
-    }
+    compared = text is not None and bool(texts[: config.fidelity_dialogues])  # weighted and plain, by fidelity
     f16 = out_file.with_name(out_file.stem + ".f16.gguf")
-    if f16.is_file():
-        entry["f16_bytes"] = f16.stat().st_size
-    if texts[: config.fidelity_dialogues]:
-        entry["fidelity"] = fidelity(folder, out_file, texts[: config.fidelity_dialogues])
-        if "imatrix" in entry:
-            keep_the_closer(folder, out_file, quant, texts[: config.fidelity_dialogues], entry)
+    try:  # the F16 is kept for the plain quantization too, then removed unless asked for
+        export_model(folder, out_file, quant, keep_f16=keep_f16 or compared, calibration=text, report=entry)
+        entry |= {
+            "bytes": out_file.stat().st_size,
+            "tokenizer_strings_checked": check_tokenizer(tokenizer, out_file, texts),
+            "template_prompts_checked": check_template(tokenizer, out_file, conversations),
+        }
+        if keep_f16 and f16.is_file():
+            entry["f16_bytes"] = f16.stat().st_size
+        if texts[: config.fidelity_dialogues]:
+            entry["fidelity"] = fidelity(folder, out_file, texts[: config.fidelity_dialogues])
+            if "imatrix" in entry:
+                keep_the_closer(folder, f16, out_file, quant, texts[: config.fidelity_dialogues], entry)
+    finally:
+        if not keep_f16:
+            f16.unlink(missing_ok=True)
     return entry
 
 
@@ -160,13 +165,15 @@ def closeness(figures: dict[str, Any]) -> tuple[float, float]:
     return figures["top1_agreement"], -figures["perplexity_gguf"]
 
 
-def keep_the_closer(folder: Path, weighted: Path, quant: str, texts: list[str], entry: dict[str, Any]) -> None:
+def keep_the_closer(
+    folder: Path, f16: Path, weighted: Path, quant: str, texts: list[str], entry: dict[str, Any]
+) -> None:
     """The importance matrix is not better everywhere (measured: a tuned Qwen 0.5B draft at Q5_K_M, the demo target
-    at Q4_K_M): quantize plainly too and keep whichever file is closer to the HF weights on the held-out `texts`,
-    saying so in `entry` (its fidelity the kept file's, the other's beside it)."""
+    at Q4_K_M): quantize the same F16 plainly too and keep whichever file is closer to the HF weights on the held-out
+    `texts`, saying so in `entry` (its fidelity the kept file's, the other's beside it)."""
     plain = scratch_path(weighted, "plain")
     try:
-        export_model(folder, plain, quant)
+        quantize(f16, plain, quant)
         plain_fidelity = fidelity(folder, plain, texts)
         kept = closeness(entry["fidelity"]) >= closeness(plain_fidelity)
         entry["imatrix"] |= {"kept": kept, "plain_fidelity": plain_fidelity, "weighted_fidelity": entry["fidelity"]}
