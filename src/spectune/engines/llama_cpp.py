@@ -39,7 +39,8 @@ BUILD_FLAGS = (
 
 
 def llama_cpp_source() -> Path:
-    """llama.cpp's source tree: $SPECTUNE_LLAMA_CPP_SRC, else unpacked from the pinned sdist into the cache."""
+    """llama.cpp's source tree: $SPECTUNE_LLAMA_CPP_SRC as it is (spectune's patches are the user's to apply
+    there), else unpacked from the pinned sdist into the cache and patched."""
     override = os.environ.get("SPECTUNE_LLAMA_CPP_SRC")
     if override:
         if not (Path(override) / "CMakeLists.txt").is_file():
