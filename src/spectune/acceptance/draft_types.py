@@ -164,14 +164,13 @@ def sweep_draft(
     name: str,
     folder: Path,
     exported: Path,
-    target_gguf: Path,
+    target_weights: Weights,
     answered: list[tuple[list[int], list[int]]],
     types: list[str],
     calibration: str | None,
     threads: int | None,
 ) -> dict[str, Any]:
     """One draft at every type: its trade-off rows and the chosen type (the best predicted speedup on the card)."""
-    target_weights = gguf_weights(target_gguf)
     paths, seconds = type_files(folder, exported, name, candidates(types, calibration is not None), calibration)
     rows = []
     for trial, path in paths.items():
@@ -228,8 +227,11 @@ def sweep_types(
         answered = target_answers(target, prompts, max_tokens)
     finally:
         target.close()
+    target_weights = gguf_weights(target_gguf)  # read once: every draft's c is over the same target
     by_draft = {
-        name: sweep_draft(name, folder, exported, target_gguf, answered, types, (calibration or {}).get(name), threads)
+        name: sweep_draft(
+            name, folder, exported, target_weights, answered, types, (calibration or {}).get(name), threads
+        )
         for name, (folder, exported) in drafts.items()
     }
     return {
