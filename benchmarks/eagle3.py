@@ -110,27 +110,41 @@ def summary(rows: list[dict[str, Any]], name: str, baseline_seconds: float, acce
     return result
 
 
-def bench_pair(config: Any, outputs: dict[str, Any], drafts: list[str]) -> list[dict[str, Any]]:
-    """Every prompt through llama.cpp's target alone and each draft, interleaved, after a warm-up round."""
-    layout, bench = config.layout, config.bench
-    threads = thread_count(config.threads)
-    k = {row["name"]: row["recommended_k"] for row in outputs["acceptance"]["drafts"]}
+def bench_pair(
+    target_gguf: Path, drafts: dict[str, tuple[Path, int]], prompts: list, repeats: int, max_tokens: int, threads: int
+) -> list[dict[str, Any]]:
+    """Every prompt through llama.cpp's target alone and each draft (name: its GGUF and k; the one named `eagle3`
+    runs as a head), interleaved, after a warm-up round."""
     binary = built_tool(SPECULATIVE_TOOL)
-    target = LlamaModel(layout.gguf(TARGET), n_ctx=N_CTX, threads=threads)
+    target = LlamaModel(target_gguf, n_ctx=N_CTX, threads=threads)
     rows = []
-    with llama_baseline(layout.gguf(TARGET), threads, N_CTX, exact=True) as alone:
-        for index, prompt in enumerate(read_prompts(layout.eval_file)[: bench.n]):
+    with llama_baseline(target_gguf, threads, N_CTX, exact=True) as alone:
+        for index, prompt in enumerate(prompts):
             text = without_bos(target, chat_prompt(target, prompt.messages))
-            runs = {TARGET: lambda text=text: alone(text, bench.max_tokens)}
-            for name in drafts:
-                runs[name] = lambda name=name, text=text: run_peer(
-                    binary, layout.gguf(TARGET), layout.gguf(name), text, k[name], bench.max_tokens, threads, N_CTX,
-                    exact=True, eagle3=name == EAGLE3,
-                )  # fmt: skip
-            rows.append(prompt_row(index, rounds(runs, bench.repeats), TARGET, bench.max_tokens))
+            runs = {TARGET: lambda text=text: alone(text, max_tokens)}
+            for name, (gguf, k) in drafts.items():
+                runs[name] = lambda gguf=gguf, k=k, name=name, text=text: run_peer(
+                    binary, target_gguf, gguf, text, k, max_tokens, threads, N_CTX, exact=True, eagle3=name == EAGLE3
+                )
+            rows.append(prompt_row(index, rounds(runs, repeats), TARGET, max_tokens))
             line = "  ".join(f"{n} {v['tokens']}/{v['seconds']:.3f}s" for n, v in rows[-1]["variants"].items())
             print(f"prompt {index + 1}: {line}", flush=True)
     return rows
+
+
+def result_report(rows: list[dict[str, Any]], drafts: list[str], accepted: dict[str, Any], **about: Any) -> dict:
+    """The bench's result file: how it was made (`about`), the summaries and the per-prompt rows."""
+    baseline_seconds = sum(row["variants"][TARGET]["seconds"] for row in rows)
+    commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+    changed = subprocess.run(["git", "status", "--porcelain", "src"], capture_output=True, text=True).stdout.strip()
+    return {
+        "command": "python benchmarks/" + " ".join(Path(arg).name if i == 0 else arg for i, arg in enumerate(sys.argv)),
+        "commit": commit + (" with uncommitted changes to src/" if changed else ""),
+        **about,
+        "target_alone": summary(rows, TARGET, baseline_seconds, accepted),
+        "drafts": {name: summary(rows, name, baseline_seconds, accepted) for name in drafts},
+        "prompts": rows,
+    }
 
 
 def main() -> None:
@@ -143,24 +157,21 @@ def main() -> None:
     accepted = {row["name"]: row for row in outputs["acceptance"]["drafts"]}
     standalone = [name for name in Context(config, run.layout, outputs).drafts() if name not in (CONTROL_DRAFT, EAGLE3)]
     best = max(standalone, key=lambda name: predicted_gpu(accepted[name]))
-    drafts = [best, EAGLE3]
-    rows = bench_pair(config, outputs, drafts)
-    baseline_seconds = sum(row["variants"][TARGET]["seconds"] for row in rows)
-    commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
-    changed = subprocess.run(["git", "status", "--porcelain", "src"], capture_output=True, text=True).stdout.strip()
+    layout, bench, threads = config.layout, config.bench, thread_count(config.threads)
+    drafts = {name: (layout.gguf(name), accepted[name]["recommended_k"]) for name in (best, EAGLE3)}
+    prompts = read_prompts(layout.eval_file)[: bench.n]
+    rows = bench_pair(layout.gguf(TARGET), drafts, prompts, bench.repeats, bench.max_tokens, threads)
     head = outputs[EAGLE3]
-    result = {
-        "command": "python benchmarks/" + " ".join(Path(arg).name if i == 0 else arg for i, arg in enumerate(sys.argv)),
-        "commit": commit + (" with uncommitted changes to src/" if changed else ""),
-        "pair": run.manifest["config"]["models"],
-        "machine": f"{run.manifest['machine']}, {thread_count(config.threads)} threads",
-        "settings": {"n": len(rows), "repeats": config.bench.repeats, "max_tokens": config.bench.max_tokens},
-        "eagle3_training": {key: head[key] for key in ("steps", "seconds", "feature_seconds", "parameters")}
+    result = result_report(
+        rows,
+        list(drafts),
+        accepted,
+        pair=run.manifest["config"]["models"],
+        machine=f"{run.manifest['machine']}, {threads} threads",
+        settings={"n": len(rows), "repeats": bench.repeats, "max_tokens": bench.max_tokens},
+        eagle3_training={key: head[key] for key in ("steps", "seconds", "feature_seconds", "parameters")}
         | {"aux_layers": head["aux_layers"], "draft_vocab_size": head["draft_vocab_size"]},
-        "target_alone": summary(rows, TARGET, baseline_seconds, accepted),
-        "drafts": {name: summary(rows, name, baseline_seconds, accepted) for name in drafts},
-        "prompts": rows,
-    }
+    )
     write_result(f"eagle3_{args.name}.json", result)
     print(json.dumps({"target_alone": result["target_alone"], "drafts": result["drafts"]}, indent=2))
 

@@ -108,3 +108,18 @@ def test_never_slower_times_again_a_prompt_any_server_stalled_on():
     assert stalled(runs) == [2]  # 3.3x its median time per token; 20/7 = 2.9x is not over
     runs["llama-server"][1] = answers([6.0])[0]  # 3.3x on prompt 1
     assert stalled(runs) == [1, 2]
+
+
+def test_llama_cpp_files_refuses_a_draft_with_no_acceptance_row_naming_the_file(tmp_path, monkeypatch, capsys):
+    acceptance = tmp_path / "acceptance.json"
+    acceptance.write_text('{"drafts": [{"name": "sft", "recommended_k": 2}]}')
+    argv = ["llama_cpp_files.py", "--target", "t.gguf", "--acceptance", str(acceptance), "--data", "d.jsonl"]
+    main = script("llama_cpp_files").main
+    for drafts, expected in (
+        (["--draft", "kd@Q6_K=kd.gguf"], f"{acceptance}: no acceptance row for kd@Q6_K (its rows: sft)"),
+        (["--draft", "sft@Q6_K=s.gguf", "--draft", "eagle3=h.gguf"], "no acceptance row for eagle3"),
+    ):
+        monkeypatch.setattr(sys, "argv", [*argv, *drafts, "--name", "x"])
+        with pytest.raises(SystemExit) as exit_info:
+            main()
+        assert exit_info.value.code == 2 and expected in capsys.readouterr().err
