@@ -137,11 +137,14 @@ def predictions(card: GpuCard, result: dict, target: Weights, pair_draft: str | 
         committed = row["predicted_speedup_gpu"]
     else:  # an EAGLE-3 bench row: the offline meter's τ at k
         tau, drafted, bytes_c, committed = row["tau"], row["k"], row["cost_ratio_gpu_bytes"], row["predicted_gpu"]
-    # The draft model's bytes and layers; an n-gram proposal costs nothing, so c scales with the model's share
-    model = Variant.parse(name).draft  # ngram+seqkd: the seqkd draft behind the lookup
-    model_c = result["drafts"][model].get("gpu_cost_ratio", bytes_c) if model else 0.0
+    # The draft model's bytes and layers; an n-gram proposal costs nothing, so c scales with the model's share.
+    # sft@Q6_K: the sft draft at one GGUF type of several (benchmarks/llama_cpp_files.py), its own row's bytes.
+    variant = name.partition("@")[0]
+    model = Variant.parse(variant).draft  # ngram+seqkd: the seqkd draft behind the lookup
+    model_row = result["drafts"][name if model == variant else model] if model else {}
+    model_c = model_row.get("gpu_cost_ratio", bytes_c) if model else 0.0
     share = bytes_c / model_c if model_c else 0.0
-    layers = model_layers(result, pair_draft, name) if model else 0
+    layers = model_layers(result, pair_draft, variant) if model else 0
     return {
         "tau": tau,
         "mean_drafted": drafted,

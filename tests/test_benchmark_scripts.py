@@ -110,14 +110,21 @@ def test_never_slower_times_again_a_prompt_any_server_stalled_on():
     assert stalled(runs) == [1, 2]
 
 
+def test_llama_cpp_files_reads_a_types_rows_from_the_sweep_with_the_k_it_was_chosen_at():
+    row = {"label": "Q6_K", "chosen_by": {"k": 3}, "alpha": 0.8, "tau": {"3": 2.1}, "cost_ratio": {}, "speedup": {}}
+    rows = script("llama_cpp_files").swept_rows({"sweep": {"drafts": {"sft": {"types": [row]}}}})
+    assert list(rows) == ["sft@Q6_K"]
+    assert rows["sft@Q6_K"]["recommended_k"] == 3 and rows["sft@Q6_K"]["tau_simulated"] == {"3": 2.1}
+
+
 def test_llama_cpp_files_refuses_a_draft_with_no_acceptance_row_naming_the_file(tmp_path, monkeypatch, capsys):
     acceptance = tmp_path / "acceptance.json"
     acceptance.write_text('{"drafts": [{"name": "sft", "recommended_k": 2}]}')
     argv = ["llama_cpp_files.py", "--target", "t.gguf", "--acceptance", str(acceptance), "--data", "d.jsonl"]
     main = script("llama_cpp_files").main
     for drafts, expected in (
-        (["--draft", "kd@Q6_K=kd.gguf"], f"{acceptance}: no acceptance row for kd@Q6_K (its rows: sft)"),
-        (["--draft", "sft@Q6_K=s.gguf", "--draft", "eagle3=h.gguf"], "no acceptance row for eagle3"),
+        (["--draft", "sft@Q6_K=s.gguf"], f"{acceptance}: no row for sft@Q6_K (their rows: sft)"),
+        (["--draft", "sft=s.gguf", "--draft", "eagle3=h.gguf"], "no row for eagle3"),
     ):
         monkeypatch.setattr(sys, "argv", [*argv, *drafts, "--name", "x"])
         with pytest.raises(SystemExit) as exit_info:

@@ -231,7 +231,8 @@ def test_bench_writes_its_report(ggufs, demo_data, tmp_path):
     assert 0 < summary["target_ttft_ms"] <= summary["target_ttfs_ms"] and 0 < summary["ttft_ms"] <= summary["ttfs_ms"]
     # a new caller's: the prompt's prefill is in both, and the first sentence still comes after the first token
     assert summary["target_ttft_ms"] < summary["target_cold_ttft_ms"] <= summary["target_cold_ttfs_ms"]
-    assert 0 < summary["cold_ttft_ms"] <= min(summary["cold_ttfs_ms"], summary["cold_ttfs_first_clause_alone_ms"])
+    # (within one run: the first-clause-alone figure is another run's, so its order against this one is timing)
+    assert 0 < summary["cold_ttft_ms"] <= summary["cold_ttfs_ms"] and summary["cold_ttfs_first_clause_alone_ms"] > 0
     assert summary["predicted_first_sentence_here"] > 0 and summary["predicted_first_sentence_gpu_grounded"] > 0
     for name in ("report.json", "report.md", "report.png"):
         assert (tmp_path / "bench" / name).stat().st_size > 0
