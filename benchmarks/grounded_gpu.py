@@ -54,6 +54,8 @@ PAIRS = {
     "speculative_qwen_sgd.json": ("qwen2.5-coder-1.5b-instruct", "qwen2.5-coder-0.5b-instruct"),
     "speculative_gemma3_270m_sgd_ngram.json": ("gemma3-270m", None),
     "eagle3_smollm2_sgd.json": ("smollm2-135m-instruct", None),
+    "eagle3_gemma3_270m_sgd.json": ("gemma3-270m", None),
+    "llama_cpp_files_qwen_sgd_head.json": ("qwen2.5-coder-1.5b-instruct", "qwen2.5-coder-0.5b-instruct"),
 }
 DRAFT_LAYERS = {"qwen2.5-coder-0.5b-instruct": 24}  # num_hidden_layers of the fetched draft's config
 # `spectune bench` reports on the tuned Qwen 1.5B (the target of speculative_qwen_sgd.json): each draft model's layers
@@ -207,6 +209,10 @@ def grounded_report(files: list[str], export: bool) -> dict[str, Any]:
                 name = PAIRS[file][0]
                 measured.setdefault(name, exported_target(name, Path(scratch)))
                 shapes[file] = {"model": name, **measured[name]}
+    by_model = {shape["model"]: shape for shape in shapes.values()}
+    for file, (name, _) in PAIRS.items():  # a new result on a committed result's target: that target's shape
+        if file not in shapes and name in by_model:
+            shapes[file] = by_model[name]
     missing = sorted(set(PAIRS) - set(shapes))
     if missing:
         raise SystemExit(f"no committed target shape for {', '.join(missing)}: run with --export")

@@ -83,7 +83,7 @@ def main() -> None:
         parser.error("--training: the head's eagle3.json is needed with a draft labelled eagle3")
     drafts = {label: (gguf, accepted[label]["recommended_k"]) for label, gguf in files.items()}
     rows = bench_pair(args.target, drafts, read_prompts(args.data)[: args.n], args.repeats, args.max_tokens, threads)
-    head = json.loads(args.training.read_text()) if args.training else None
+    head = json.loads(args.training.read_text())["result"] if args.training else None
     result = result_report(
         rows,
         list(drafts),

@@ -26,6 +26,8 @@ def command_line(doc: str | None, switches: dict[str, str] | None = None) -> arg
     parser.add_argument("--name", required=True, help="suffix of the result files")
     for flag, help_text in (switches or {}).items():
         parser.add_argument(flag, action="store_true", help=help_text)
+    if set(LEAN_SWITCHES) <= set(switches or {}):  # the lean runs may also bench fewer prompts
+        parser.add_argument("--prompts", type=int, default=None, help="bench only the first N prompts (bench.n)")
     return parser.parse_args()
 
 
@@ -42,6 +44,8 @@ def lean_overrides(args: argparse.Namespace, overrides: dict[str, dict[str, Any]
         overrides.setdefault("drafts", {})["methods"] = ["seqkd"]
     if args.one_repeat:
         overrides.setdefault("bench", {})["repeats"] = 1
+    if args.prompts is not None:
+        overrides.setdefault("bench", {})["n"] = args.prompts
     return overrides
 
 

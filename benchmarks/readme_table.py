@@ -49,7 +49,11 @@ DRAFT_WORDS = {
 }
 
 # (results file, the pair in words, its data): EAGLE-3 heads beside the best standalone draft, in llama.cpp's loop
-HEADS = (("eagle3_smollm2_sgd.json", "SmolLM2-135M-Instruct, QLoRA on SGD", "SGD dev"),)
+HEADS = (
+    ("eagle3_smollm2_sgd.json", "SmolLM2-135M-Instruct, QLoRA on SGD", "SGD dev"),
+    ("eagle3_gemma3_270m_sgd.json", "Gemma 3 270M, QLoRA on SGD", "SGD dev"),
+    ("llama_cpp_files_qwen_sgd_head.json", "Qwen2.5-Coder 1.5B, QLoRA on SGD", "SGD dev"),
+)
 HEADS_HEADER = (
     "| pair (data) | draft | k | prompts | identical | acceptance (llama.cpp's count) | α / tokens per target pass "
     "(offline) | over llama.cpp's target alone, both in llama.cpp's loop | predicted on a GPU: bytes only / "
