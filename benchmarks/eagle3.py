@@ -32,6 +32,7 @@ from spectune.pipeline.run import Run
 from spectune.pipeline.stages import Context, stages
 from spectune.runtime.chat import chat_prompt
 from spectune.runtime.llama import LlamaModel
+from spectune.runtime.registry import Variant
 from spectune.speedup import GPU_PROFILE
 from spectune.threads import thread_count
 from spectune.train.eagle3 import EAGLE3
@@ -113,8 +114,9 @@ def summary(rows: list[dict[str, Any]], name: str, baseline_seconds: float, acce
 def bench_pair(
     target_gguf: Path, drafts: dict[str, tuple[Path, int]], prompts: list, repeats: int, max_tokens: int, threads: int
 ) -> list[dict[str, Any]]:
-    """Every prompt through llama.cpp's target alone and each draft (name: its GGUF and k; the one named `eagle3`
-    runs as a head), interleaved, after a warm-up round."""
+    """Every prompt through llama.cpp's target alone and each draft (name: a Variant's, its GGUF and k; where the
+    Variant's draft is `eagle3` the GGUF runs as a head, its lookups in front of it), interleaved, after a warm-up
+    round."""
     binary = built_tool(SPECULATIVE_TOOL)
     target = LlamaModel(target_gguf, n_ctx=N_CTX, threads=threads)
     rows = []
@@ -123,8 +125,12 @@ def bench_pair(
             text = without_bos(target, chat_prompt(target, prompt.messages))
             runs = {TARGET: lambda text=text: alone(text, max_tokens)}
             for name, (gguf, k) in drafts.items():
-                runs[name] = lambda gguf=gguf, k=k, name=name, text=text: run_peer(
-                    binary, target_gguf, gguf, text, k, max_tokens, threads, N_CTX, exact=True, eagle3=name == EAGLE3
+                variant = Variant.parse(name)
+                runs[name] = lambda gguf=gguf, k=k, variant=variant, text=text: run_peer(
+                    *(binary, target_gguf, gguf, text, k, max_tokens, threads, N_CTX),
+                    exact=True,
+                    lookups=variant.lookups,
+                    eagle3=variant.draft == EAGLE3,
                 )
             rows.append(prompt_row(index, rounds(runs, repeats), TARGET, max_tokens))
             line = "  ".join(f"{n} {v['tokens']}/{v['seconds']:.3f}s" for n, v in rows[-1]["variants"].items())

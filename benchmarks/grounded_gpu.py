@@ -56,6 +56,8 @@ PAIRS = {
     "eagle3_smollm2_sgd.json": ("smollm2-135m-instruct", None),
     "eagle3_gemma3_270m_sgd.json": ("gemma3-270m", None),
     "llama_cpp_files_qwen_sgd_head.json": ("qwen2.5-coder-1.5b-instruct", "qwen2.5-coder-0.5b-instruct"),
+    "llama_cpp_files_qwen_sgd_head_600.json": ("qwen2.5-coder-1.5b-instruct", "qwen2.5-coder-0.5b-instruct"),
+    "llama_cpp_files_qwen_sgd_head_sys.json": ("qwen2.5-coder-1.5b-instruct", "qwen2.5-coder-0.5b-instruct"),
 }
 DRAFT_LAYERS = {"qwen2.5-coder-0.5b-instruct": 24}  # num_hidden_layers of the fetched draft's config
 # `spectune bench` reports on the tuned Qwen 1.5B (the target of speculative_qwen_sgd.json): each draft model's layers
@@ -146,7 +148,7 @@ def predictions(card: GpuCard, result: dict, target: Weights, pair_draft: str | 
     model_row = result["drafts"][name if model == variant else model] if model else {}
     model_c = model_row.get("gpu_cost_ratio", bytes_c) if model else 0.0
     share = bytes_c / model_c if model_c else 0.0
-    layers = model_layers(result, pair_draft, variant) if model else 0
+    layers = model_layers(result, pair_draft, model) if model else 0  # ngram+eagle3: the head's one layer
     return {
         "tau": tau,
         "mean_drafted": drafted,

@@ -3,7 +3,8 @@ benchmarks/eagle3.py's bench without a pipeline run (a head trained by `spectune
 one; a draft at several GGUF types side by side). Each label's k, offline α, τ and predictions come from its row of
 `spectune acceptance --json-out` on the same target (the label is the row's name), or, for `NAME@TYPE`, from draft
 NAME's row for that type in a `benchmarks/draft_types.py` result (`--sweep`: measured on that very file); the label
-`eagle3` runs as a head, its training read from `--training`.
+`eagle3` runs as a head (`ngram+eagle3`: llama.cpp's n-gram lookup in front of it), its training read from
+`--training`.
 
 Usage: python benchmarks/llama_cpp_files.py --target TARGET.gguf --data EVAL.jsonl --draft eagle3=HEAD.gguf \
            [--draft sft@Q6_K=F.gguf --sweep draft_types_X.json] --acceptance ACCEPTANCE.json \
@@ -23,6 +24,7 @@ from eagle3 import bench_pair, result_report
 from pipeline_run import write_result
 
 from spectune.data.prepare import read_prompts
+from spectune.runtime.registry import Variant
 from spectune.threads import thread_count
 from spectune.train.eagle3 import EAGLE3
 
@@ -36,6 +38,7 @@ HEAD_FIGURES = (
     "draft_vocab_size",
     "train_dialogues",
     "accuracy_after",
+    "accuracy_by_steps",  # absent from heads trained before it was kept
 )
 
 
@@ -79,8 +82,8 @@ def main() -> None:
         where = f"{args.acceptance}" + (f" and {args.sweep}" if args.sweep else "")
         parser.error(f"{where}: no row for {', '.join(missing)} (their rows: {', '.join(sorted(known))})")
     accepted = {label: known[label] for label in files}
-    if EAGLE3 in files and args.training is None:
-        parser.error("--training: the head's eagle3.json is needed with a draft labelled eagle3")
+    if any(Variant.parse(label).draft == EAGLE3 for label in files) and args.training is None:
+        parser.error("--training: the head's eagle3.json is needed with a draft labelled eagle3 (or LOOKUP+eagle3)")
     drafts = {label: (gguf, accepted[label]["recommended_k"]) for label, gguf in files.items()}
     rows = bench_pair(args.target, drafts, read_prompts(args.data)[: args.n], args.repeats, args.max_tokens, threads)
     head = json.loads(args.training.read_text())["result"] if args.training else None
@@ -91,7 +94,7 @@ def main() -> None:
         pair={"target": args.target.name} | {label: gguf.name for label, gguf in files.items()},
         machine=f"{platform.machine()} {platform.processor() or ''}".strip() + f", {threads} threads",
         settings={"n": len(rows), "repeats": args.repeats, "max_tokens": args.max_tokens},
-        eagle3_training=head and {key: head[key] for key in HEAD_FIGURES},
+        eagle3_training=head and {key: head.get(key) for key in HEAD_FIGURES},
     )
     write_result(f"llama_cpp_files_{args.name}.json", result)
     print(json.dumps({"target_alone": result["target_alone"], "drafts": result["drafts"]}, indent=2))

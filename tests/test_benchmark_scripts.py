@@ -119,12 +119,13 @@ def test_llama_cpp_files_reads_a_types_rows_from_the_sweep_with_the_k_it_was_cho
 
 def test_llama_cpp_files_refuses_a_draft_with_no_acceptance_row_naming_the_file(tmp_path, monkeypatch, capsys):
     acceptance = tmp_path / "acceptance.json"
-    acceptance.write_text('{"drafts": [{"name": "sft", "recommended_k": 2}]}')
+    acceptance.write_text('{"drafts": [{"name": "sft", "recommended_k": 2}, {"name": "ngram+eagle3"}]}')
     argv = ["llama_cpp_files.py", "--target", "t.gguf", "--acceptance", str(acceptance), "--data", "d.jsonl"]
     main = script("llama_cpp_files").main
     for drafts, expected in (
-        (["--draft", "sft@Q6_K=s.gguf"], f"{acceptance}: no row for sft@Q6_K (their rows: sft)"),
+        (["--draft", "sft@Q6_K=s.gguf"], f"{acceptance}: no row for sft@Q6_K (their rows: ngram+eagle3, sft)"),
         (["--draft", "sft=s.gguf", "--draft", "eagle3=h.gguf"], "no row for eagle3"),
+        (["--draft", "ngram+eagle3=h.gguf"], "--training: the head's eagle3.json is needed"),  # a head behind lookup
     ):
         monkeypatch.setattr(sys, "argv", [*argv, *drafts, "--name", "x"])
         with pytest.raises(SystemExit) as exit_info:

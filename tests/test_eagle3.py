@@ -25,7 +25,7 @@ from spectune.runtime.llama import LlamaModel, is_eagle3_gguf
 from spectune.serve.config import ServeConfig
 from spectune.serve.engine import start_llama_server
 from spectune.train.common import greedy_answer
-from spectune.train.eagle3 import Eagle3Config, check_target, train_eagle3
+from spectune.train.eagle3 import Eagle3Config, check_target, target_features, train_eagle3
 from spectune.train.eagle3_head import aux_layers, chain_matches
 
 PROMPTS = 4
@@ -63,14 +63,35 @@ def test_a_chain_replay_verifies_each_start_positions_own_proposal():
     assert replay.reached == [2, 1, 1] and replay.accepted == [1, 1, 0]
 
 
+def test_the_targets_hidden_states_are_computed_once_per_row_and_read_back_as_computed(tuned_target, tmp_path):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    target = AutoModelForCausalLM.from_pretrained(str(tuned_target), dtype=torch.float32).eval()
+    layers = aux_layers(target.config.num_hidden_layers)
+    rows = [[1, 5, 9, 13, 17], [2, 4, 6]]
+    first = target_features(target, tmp_path, layers, rows, "test")
+    assert first.computed == 2 and len(list(tmp_path.glob("*.pt"))) == 2
+    again = target_features(target, tmp_path, layers, [rows[1], [3, 3, 3], rows[0]], "test")
+    assert again.computed == 1  # only the new row: a run on more dialogues reuses the ones before
+    for ids, (cached, argmax) in zip(rows, (again.rows[2], again.rows[0]), strict=True):
+        with torch.no_grad():
+            out = target(input_ids=torch.tensor([ids]), output_hidden_states=True)
+        fresh = torch.cat([out.hidden_states[layer][0] for layer in layers], -1)
+        assert torch.equal(argmax, out.logits[0].argmax(-1))
+        assert torch.allclose(cached, fresh, rtol=1e-3, atol=1e-3)  # float16 on disk, the layers in order
+
+
 @pytest.fixture(scope="module")
 def head(tuned_target, demo_data, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("eagle3")
-    config = Eagle3Config(
-        target=tuned_target, data=demo_data, out=out, max_steps=40, batch_size=8, max_seq_length=256, max_eval=16
-    )
-    result = train_eagle3(config)
+    steps = {"max_steps": 40, "save_steps": 20}  # a checkpoint halfway: a point of the curve
+    settings = {"batch_size": 8, "max_seq_length": 256, "max_eval": 16}
+    result = train_eagle3(Eagle3Config(target=tuned_target, data=demo_data, out=out, **steps, **settings))
     assert result.accuracy_after[0] > result.accuracy_before[0] + 0.2  # it learned the target's next tokens
+    # the curve: the start, the checkpoint at 20 steps (measured there, not at the end), the end
+    assert list(result.accuracy_by_steps) == [0, 20, 40] and result.accuracy_by_steps[40] == result.accuracy_after
+    assert result.accuracy_by_steps[20] != result.accuracy_after
     assert json.loads((result.model / "config.json").read_text())["draft_vocab_size"] == result.draft_vocab_size
     return result.model
 

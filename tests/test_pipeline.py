@@ -175,6 +175,11 @@ def test_a_broken_config_is_refused_with_every_error(tmp_path, capsys):
     path.write_text("data: [unclosed\n")
     assert run_cli("run", str(path)) == 2
     assert "invalid YAML" in capsys.readouterr().err
+    path.write_text(yaml.safe_dump({"run_dir": str(tmp_path / "run"), "bench": {"n": 2}}))
+    assert run_cli("run", "--config", str(path)) == 2  # the run config given as --config: said as such
+    err = capsys.readouterr().err
+    assert "bench, run_dir: not settings of this command" in err and "RUN_CONFIG argument" in err
+    assert "Extra inputs" not in err
 
 
 def test_a_changed_eval_file_reruns_what_reads_it_and_nothing_else(micro_pair, demo_data, tmp_path):

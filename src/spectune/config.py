@@ -28,6 +28,11 @@ def positional(description: str) -> dict[str, Any]:
     return {"description": description, "json_schema_extra": {"positional": True}}
 
 
+def _is_positional(field: Any) -> bool:
+    extra = field.json_schema_extra
+    return isinstance(extra, dict) and bool(extra.get("positional"))
+
+
 def read_yaml(path: str | Path) -> dict[str, Any]:
     path = Path(path)
     if not path.is_file():
@@ -64,5 +69,12 @@ def validate(model: type[Config], values: dict[str, Any], source: str) -> Config
 def load_config(model: type[Config], yaml_path: Path | None, overrides: dict[str, Any]) -> Config:
     """YAML values, then CLI options that were given (not None) on top."""
     values = read_yaml(yaml_path) if yaml_path else {}
+    unknown = sorted(set(values) - set(model.model_fields))
+    if unknown and (arguments := [key for key, field in model.model_fields.items() if _is_positional(field)]):
+        # the easy slip `spectune run --config run.yaml`: say so, not "Extra inputs" for every section
+        raise SpectuneError(
+            f"{yaml_path}: {', '.join(unknown)}: not settings of this command; --config takes the command's own "
+            f"settings, and a file for its {arguments[0].upper()} argument is given without --config"
+        )
     values.update({key: value for key, value in overrides.items() if value is not None})
     return validate(model, values, str(yaml_path) if yaml_path else "command line")

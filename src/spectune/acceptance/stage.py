@@ -137,7 +137,14 @@ def draft_types_of(config: AcceptanceConfig, prompts: list) -> dict[str, Any]:
     calibration = {name: calibration_text(folder, dialogues) for name, folder in models.items()} if dialogues else {}
     drafts = {name: (folder, config.ggufs[name]) for name, folder in models.items()}
     return sweep_types(
-        config.ggufs[TARGET], drafts, prompts, config.max_tokens, config.draft_types, calibration, config.threads
+        config.ggufs[TARGET],
+        drafts,
+        prompts,
+        config.max_tokens,
+        config.draft_types,
+        calibration,
+        config.threads,
+        config.type_margin,
     )
 
 

@@ -16,15 +16,18 @@ target's greedy next tokens (its argmax), the only thing greedy verification acc
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel, Field, model_validator
 
 from spectune.atomic import atomic_path
+from spectune.cache import cache_root, path_hash
 from spectune.errors import SpectuneError
 from spectune.llama_cpp_pin import patched_build
 from spectune.models.load import load_tokenizer
@@ -85,6 +88,15 @@ class Eagle3Config(Eagle3Settings, TrainConfig):
     target: Path = Field(description=f"The fine-tuned (merged) target the head drafts for: {MODEL_REFERENCE}.")
 
 
+@dataclass
+class FeatureRows:
+    """The target's features and argmax per row, how many were computed (not cached), and the seconds taken."""
+
+    rows: list[tuple[Any, Any]]
+    computed: int
+    seconds: float
+
+
 class Eagle3Result(BaseModel):
     model: Path
     aux_layers: list[int]
@@ -94,10 +106,13 @@ class Eagle3Result(BaseModel):
     steps: int
     train_dialogues: int
     trained_tokens: int
-    feature_seconds: float  # the target's forward passes over the data
+    feature_seconds: float  # the target's forward passes over the data, and reading the cached ones
+    features_computed: int  # rows whose hidden states were computed (the others came from the cache)
     seconds: float  # training, evaluations included
     accuracy_before: list[float]  # held-out top-1 accuracy against the target's argmax, by unrolled step
     accuracy_after: list[float]
+    # by training step: at the start, every checkpoint (since a resume) and the end
+    accuracy_by_steps: dict[int, list[float]]
     peak_memory_bytes: int
     peak_memory_how: str
 
@@ -118,18 +133,31 @@ def check_target(target: Path) -> dict[str, Any]:
     return config
 
 
-def target_features(target: Any, layers: list[int], rows: list[list[int]], what: str) -> list[tuple[Any, Any]]:
-    """Per row of token ids: the target's inputs of `layers`, concatenated ([T, 3H]), and its argmax at each
-    position (the token it says next)."""
+def feature_cache(target: Path, layers: list[int]) -> Path:
+    """The folder of the target's cached hidden states for these layers: one file per row, named by its tokens'
+    digest, so a run on more dialogues (or another split) reuses every row computed before."""
+    return cache_root() / "eagle3-features" / f"{path_hash(target)}-{'-'.join(map(str, layers))}"
+
+
+def target_features(target: Any, folder: Path, layers: list[int], rows: list[list[int]], what: str) -> FeatureRows:
+    """Per row of token ids: the target's inputs of `layers`, concatenated ([T, 3H], kept as float16: Qwen2.5's
+    outliers reach 4,352, far inside its range), and its argmax at each position (the token it says next); from
+    `folder` (feature_cache) where computed before."""
     import torch
 
-    collected = []
+    collected, started, computed = [], time.perf_counter(), 0
     for ids in progress(rows, f"the target's hidden states ({what})"):
-        with torch.no_grad():
-            out = target(input_ids=torch.tensor([ids]), output_hidden_states=True)
-        features = torch.cat([out.hidden_states[layer][0] for layer in layers], -1)
-        collected.append((features, out.logits[0].argmax(-1)))
-    return collected
+        path = folder / f"{hashlib.sha256(json.dumps(ids).encode()).hexdigest()[:24]}.pt"
+        if not path.is_file():
+            with torch.no_grad():
+                out = target(input_ids=torch.tensor([ids]), output_hidden_states=True)
+            features = torch.cat([out.hidden_states[layer][0] for layer in layers], -1)
+            with atomic_path(path) as tmp:
+                torch.save({"features": features.half(), "argmax": out.logits[0].argmax(-1)}, tmp)
+            computed += 1
+        row = torch.load(path, weights_only=True)
+        collected.append((row["features"].float(), row["argmax"]))
+    return FeatureRows(collected, computed, time.perf_counter() - started)
 
 
 def draft_vocabulary(labels: list[Any], target_vocab: int, size: int) -> Any:
@@ -247,8 +275,11 @@ def save_checkpoint(head: Any, optimizer: Any, schedule: Any, out: Path, step: i
             shutil.rmtree(older, ignore_errors=True)
 
 
-def fit(head: Any, items: list[tuple], to_draft: Any, config: Eagle3Config) -> int:
-    """AdamW with warm-up and cosine decay over shuffled batches; checkpoints every `save_steps`. The steps run."""
+def fit(
+    head: Any, items: list[tuple], held_out: list[Batch], to_draft: Any, config: Eagle3Config
+) -> tuple[int, dict[int, list[float]]]:
+    """AdamW with warm-up and cosine decay over shuffled batches; checkpoints every `save_steps`. The steps run,
+    and the held-out accuracy by draft step at each checkpoint (how it grows with training)."""
     import torch
 
     per_epoch = math.ceil(len(items) / config.batch_size)
@@ -259,7 +290,7 @@ def fit(head: Any, items: list[tuple], to_draft: Any, config: Eagle3Config) -> i
         optimizer, lambda step: min(1.0, (step + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * step / total))
     )
     start = resume_from(head, optimizer, schedule, config)
-    ticker = Ticker(total, "eagle3 head")
+    ticker, curve = Ticker(total, "eagle3 head"), {}
     for step in range(start, total):
         for micro in range(config.grad_accum):
             index = step * config.grad_accum + micro
@@ -274,22 +305,29 @@ def fit(head: Any, items: list[tuple], to_draft: Any, config: Eagle3Config) -> i
         optimizer.zero_grad()
         if (step + 1) % config.save_steps == 0 and step + 1 < total:
             save_checkpoint(head, optimizer, schedule, config.out, step + 1)
+            curve[step + 1] = accuracy(head.eval(), held_out)
+            head.train()
         ticker.update(step + 1, f"loss {loss.item():.3f}")
     ticker.close()
-    return total
+    return total, curve
 
 
-def data_items(target: Any, data: Any, layers: list[int]) -> tuple[list[tuple], list[tuple]]:
-    """(features, tokens, argmax, assistant mask) per train and held-out row."""
+def data_items(
+    target: Any, folder: Path, data: Any, layers: list[int]
+) -> tuple[list[tuple], list[tuple], list[FeatureRows]]:
+    """(features, tokens, argmax, assistant mask) per train and held-out row, and how each split's features were
+    had (computed or cached, and the seconds)."""
     import torch
 
-    def items(dataset: Any, what: str) -> list[tuple]:
+    def items(dataset: Any, what: str) -> tuple[list[tuple], FeatureRows]:
         rows = list(dataset["input_ids"])
-        collected = target_features(target, layers, rows, what)
+        features = target_features(target, folder, layers, rows, what)
         masks = [torch.tensor(mask) for mask in dataset["assistant_masks"]]
-        return [(f, torch.tensor(ids), a, m) for (f, a), ids, m in zip(collected, rows, masks, strict=True)]
+        rowed = zip(features.rows, rows, masks, strict=True)
+        return [(f, torch.tensor(ids), a, m) for (f, a), ids, m in rowed], features
 
-    return items(data.train, "train"), items(data.eval, "held out")
+    (train, train_features), (held_out, held_out_features) = items(data.train, "train"), items(data.eval, "held out")
+    return train, held_out, [train_features, held_out_features]
 
 
 def train_eagle3(config: Eagle3Config) -> Eagle3Result:
@@ -305,9 +343,8 @@ def train_eagle3(config: Eagle3Config) -> Eagle3Result:
     data = load_task_data(tokenizer, config, read_split(config))
     target = AutoModelForCausalLM.from_pretrained(str(config.target), local_files_only=True, dtype=torch.float32)
     layers = aux_layers(target_config["num_hidden_layers"])
-    started = time.perf_counter()
-    train_items, eval_items = data_items(target.eval(), data, layers)
-    feature_seconds = time.perf_counter() - started
+    cache = feature_cache(config.target, layers)
+    train_items, eval_items, feature_runs = data_items(target.eval(), cache, data, layers)
     labels = [argmax[shifted(mask[None], 1)[0].bool()] for _, _, argmax, mask in train_items]
     d2t = draft_vocabulary(labels, target_config["vocab_size"], config.draft_vocab_size)
     to_draft = torch.full((target_config["vocab_size"],), -1, dtype=torch.long)
@@ -319,7 +356,7 @@ def train_eagle3(config: Eagle3Config) -> Eagle3Result:
     held_out = batches(eval_items, config.batch_size, to_draft, config.ttt_steps)
     started = time.perf_counter()
     before = accuracy(head, held_out)
-    steps = fit(head.train(), train_items, to_draft, config)
+    steps, curve = fit(head.train(), train_items, held_out, to_draft, config)
     after = accuracy(head.eval(), held_out)
     seconds = time.perf_counter() - started
     save_head(head, shape, tokenizer, config.out / "model")
@@ -334,10 +371,12 @@ def train_eagle3(config: Eagle3Config) -> Eagle3Result:
         steps=steps,
         train_dialogues=len(train_items),
         trained_tokens=len(all_labels),
-        feature_seconds=round(feature_seconds, 2),
+        feature_seconds=round(sum(part.seconds for part in feature_runs), 2),
+        features_computed=sum(part.computed for part in feature_runs),
         seconds=round(seconds, 2),
         accuracy_before=before,
         accuracy_after=after,
+        accuracy_by_steps={0: before, **curve, steps: after},
         peak_memory_bytes=peak,
         peak_memory_how=how,
     )
