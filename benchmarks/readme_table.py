@@ -52,7 +52,7 @@ DRAFT_WORDS = {
 HEADS = (
     ("eagle3_smollm2_sgd.json", "SmolLM2-135M-Instruct, QLoRA on SGD", "SGD dev"),
     ("eagle3_gemma3_270m_sgd.json", "Gemma 3 270M, QLoRA on SGD", "SGD dev"),
-    ("llama_cpp_files_qwen_sgd_head.json", "Qwen2.5-Coder 1.5B, QLoRA on SGD", "SGD dev"),
+    ("llama_cpp_files_qwen_sgd_head_sys.json", "Qwen2.5-Coder 1.5B, QLoRA on SGD", "the run's eval split"),
 )
 HEADS_HEADER = (
     "| pair (data) | draft | k | prompts | identical | acceptance (llama.cpp's count) | α / tokens per target pass "
