@@ -148,14 +148,16 @@ def target_features(target: Any, folder: Path, layers: list[int], rows: list[lis
     collected, started, computed = [], time.perf_counter(), 0
     for ids in progress(rows, f"the target's hidden states ({what})"):
         path = folder / f"{hashlib.sha256(json.dumps(ids).encode()).hexdigest()[:24]}.pt"
-        if not path.is_file():
+        if path.is_file():
+            row = torch.load(path, weights_only=True)
+        else:
             with torch.no_grad():
                 out = target(input_ids=torch.tensor([ids]), output_hidden_states=True)
             features = torch.cat([out.hidden_states[layer][0] for layer in layers], -1)
+            row = {"features": features.half(), "argmax": out.logits[0].argmax(-1)}  # as a cached row reads back
             with atomic_path(path) as tmp:
-                torch.save({"features": features.half(), "argmax": out.logits[0].argmax(-1)}, tmp)
+                torch.save(row, tmp)
             computed += 1
-        row = torch.load(path, weights_only=True)
         collected.append((row["features"].float(), row["argmax"]))
     return FeatureRows(collected, computed, time.perf_counter() - started)
 
