@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from spectune.atomic import atomic_path
-from spectune.bench.summary import first_sentence_over_alone
+from spectune.bench.summary import BenchSummary, bench_summaries, first_sentence_over_alone
 from spectune.export.gguf import export_model
 from spectune.gpu.card import GpuCard, reference_card
 from spectune.gpu.predict import on_card, on_card_of_steps
@@ -58,6 +58,7 @@ PAIRS = {
     "llama_cpp_files_qwen_sgd_head.json": ("qwen2.5-coder-1.5b-instruct", "qwen2.5-coder-0.5b-instruct"),
     "llama_cpp_files_qwen_sgd_head_600.json": ("qwen2.5-coder-1.5b-instruct", "qwen2.5-coder-0.5b-instruct"),
     "llama_cpp_files_qwen_sgd_head_sys.json": ("qwen2.5-coder-1.5b-instruct", "qwen2.5-coder-0.5b-instruct"),
+    "llama_cpp_files_qwen_sgd_head_512.json": ("qwen2.5-coder-1.5b-instruct", "qwen2.5-coder-0.5b-instruct"),
 }
 DRAFT_LAYERS = {"qwen2.5-coder-0.5b-instruct": 24}  # num_hidden_layers of the fetched draft's config
 # `spectune bench` reports on the tuned Qwen 1.5B (the target of speculative_qwen_sgd.json): each draft model's layers
@@ -68,7 +69,6 @@ BENCH_REPORTS = {
     "speculative_qwen_sgd_ngram_mod.json": {"seqkd": 24},
 }
 BENCH_TARGET = "speculative_qwen_sgd.json"
-GROUNDED = "predicted_speedup_gpu_grounded"
 HEAD_LAYERS = 1  # an EAGLE-3 head is one decoder layer (train/eagle3.py)
 
 
@@ -137,8 +137,9 @@ def card_figures(
 def predictions(card: GpuCard, result: dict, target: Weights, pair_draft: str | None, name: str, row: dict) -> dict:
     """One committed draft row: its figures, the bytes-only prediction recomputed and the card's with its band."""
     if "mean_drafted_per_step" in row:  # a bench row of spectune's own loop
-        tau, drafted, bytes_c = row["mean_accepted_len"], row["mean_drafted_per_step"], row["gpu_cost_ratio"]
-        committed = row["predicted_speedup_gpu"]
+        summary = BenchSummary.model_validate(row)
+        tau, drafted, bytes_c = summary.mean_accepted_len, summary.mean_drafted_per_step, summary.gpu_cost_ratio
+        committed = summary.predicted_speedup_gpu
     else:  # an EAGLE-3 bench row: the offline meter's τ at k
         tau, drafted, bytes_c, committed = row["tau"], row["k"], row["cost_ratio_gpu_bytes"], row["predicted_gpu"]
     # The draft model's bytes and layers; an n-gram proposal costs nothing, so c scales with the model's share.
@@ -168,10 +169,11 @@ def first_sentence(row: dict[str, Any], grounded: float) -> dict[str, float] | N
     first token the target's own step (they time a new caller too), None for the others."""
     if "cold_ttft_ms" not in row:
         return None
+    summary = BenchSummary.model_validate(row)
     return {
-        "timed": row["ttfs_ms"] / row["target_ttfs_ms"],
-        "model_here": first_sentence_over_alone(row, row["aggregate_speedup"]),
-        "card": first_sentence_over_alone(row, grounded),
+        "timed": summary.ttfs_ms / summary.target_ttfs_ms,
+        "model_here": first_sentence_over_alone(summary, summary.aggregate_speedup),
+        "card": first_sentence_over_alone(summary, grounded),
     }
 
 
@@ -179,22 +181,19 @@ def bench_report_predictions(card: GpuCard, file: str, target: Weights) -> dict[
     """A `spectune bench` report's variants on the card, from their τ, mean drafted and bytes c (as the results of
     spectune's own loop above), and the first sentence."""
     report = json.loads((RESULTS / file).read_text())
-    summary = report["summary"]
-    out = {}
-    for name, s in summary.items():
+    summaries, out = bench_summaries(report["summary"], file), {}
+    for name, s in summaries.items():
         model = Variant.parse(name).draft
-        model_c = summary[model]["gpu_cost_ratio"] if model else 0.0
-        share = s["gpu_cost_ratio"] / model_c if model_c else 0.0
+        model_c = summaries[model].gpu_cost_ratio if model else 0.0
+        share = s.gpu_cost_ratio / model_c if model_c else 0.0
         layers = BENCH_REPORTS[file][model] if model else 0
-        tau, drafted, steps = (
-            s["mean_accepted_len"],
-            s["mean_drafted_per_step"],
-            committed_steps(report["prompts"], name),
+        steps = committed_steps(report["prompts"], name)
+        figures = card_figures(
+            card, target, s.mean_accepted_len, s.mean_drafted_per_step, layers, model_c, share, steps
         )
-        figures = card_figures(card, target, tau, drafted, layers, model_c, share, steps)
         out[name] = figures | {
-            "grounded_committed": s[GROUNDED],
-            "first_sentence": first_sentence(s, figures["grounded"]),
+            "grounded_committed": s.predicted_speedup_gpu_grounded,
+            "first_sentence": first_sentence(report["summary"][name], figures["grounded"]),
         }
     return out
 

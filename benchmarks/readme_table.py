@@ -16,6 +16,8 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
+from spectune.bench.summary import BenchSummary, bench_summaries
+
 RESULTS = Path(__file__).parent / "results"
 GROUNDED = "gpu_grounded.json"  # benchmarks/grounded_gpu.py: the reference card applied to every result below
 CARD = "RTX 4060 Ti 16 GB"  # the reference card (spectune.gpu's published.yaml)
@@ -52,7 +54,7 @@ DRAFT_WORDS = {
 HEADS = (
     ("eagle3_smollm2_sgd.json", "SmolLM2-135M-Instruct, QLoRA on SGD", "SGD dev"),
     ("eagle3_gemma3_270m_sgd.json", "Gemma 3 270M, QLoRA on SGD", "SGD dev"),
-    ("llama_cpp_files_qwen_sgd_head_sys.json", "Qwen2.5-Coder 1.5B, QLoRA on SGD", "the run's eval split"),
+    ("llama_cpp_files_qwen_sgd_head_512.json", "Qwen2.5-Coder 1.5B, QLoRA on SGD", "the run's eval split"),
 )
 HEADS_HEADER = (
     "| pair (data) | draft | k | prompts | identical | acceptance (llama.cpp's count) | α / tokens per target pass "
@@ -62,10 +64,10 @@ HEADS_HEADER = (
 )
 
 
-def best_draft(drafts: dict[str, dict], looked_up: bool = False) -> str | None:
+def best_draft(drafts: dict[str, BenchSummary], looked_up: bool = False) -> str | None:
     """The tuned draft model (or, `looked_up`, the n-gram variant) with the highest predicted GPU speedup."""
     tuned = {name: row for name, row in drafts.items() if name != "generic" and name.startswith("ngram") == looked_up}
-    return max(tuned, key=lambda name: tuned[name]["predicted_speedup_gpu"]) if tuned else None
+    return max(tuned, key=lambda name: tuned[name].predicted_speedup_gpu) if tuned else None
 
 
 MIN_TIMED_RUNS = 3  # a speed measured here is quoted only from this many interleaved runs, or a stall check
@@ -82,10 +84,10 @@ def quotable(result: dict) -> bool:
     return timed_runs(result) >= MIN_TIMED_RUNS or "retimed" in result
 
 
-def speedup_or_not_run(figures: dict, key: str, result: dict) -> str:
+def speedup_or_not_run(speedup: float | None, result: dict) -> str:
     if not quotable(result):
         return "1 run"
-    return f"{figures[key]:.2f}x" if figures.get(key) else "not run"
+    return f"{speedup:.2f}x" if speedup else "not run"
 
 
 def on_card(grounded: dict) -> str:
@@ -104,19 +106,19 @@ def gpu_figures(file: str, name: str) -> str:
 
 
 def row(file: str, pair: str, data: str, name: str, result: dict) -> str:
-    figures = result["drafts"][name]
+    figures = BenchSummary.model_validate(result["drafts"][name])
     here, over_exact, over_defaults = (
-        speedup_or_not_run(figures, key, result)
-        for key in (
-            "aggregate_speedup",
-            "aggregate_speedup_over_llama_cpp",
-            "aggregate_speedup_over_llama_cpp_defaults",
+        speedup_or_not_run(speedup, result)
+        for speedup in (
+            figures.aggregate_speedup,
+            figures.aggregate_speedup_over_llama_cpp,
+            figures.aggregate_speedup_over_llama_cpp_defaults,
         )
     )
     return (
-        f"| {pair} ({data}) | {name} | {figures['draft_max']} | {figures['n']} | {figures['identical']}/{figures['n']} "
-        f"| {figures['acceptance']:.1%} | {figures['mean_accepted_len']:.2f} | {here} "
-        f"({figures['total_tokens']:,} tokens) | {over_exact} / {over_defaults} "
+        f"| {pair} ({data}) | {name} | {figures.draft_max} | {figures.n} | {figures.identical}/{figures.n} "
+        f"| {figures.acceptance:.1%} | {figures.mean_accepted_len:.2f} | {here} "
+        f"({figures.total_tokens:,} tokens) | {over_exact} / {over_defaults} "
         f"| {gpu_figures(file, name)} |"
     )
 
@@ -125,7 +127,7 @@ def table() -> str:
     lines = [HEADER]
     for file, pair, data in PAIRS:
         result = json.loads((RESULTS / file).read_text())
-        drafts = result["drafts"]
+        drafts = bench_summaries(result["drafts"], file)
         for name in ("generic", best_draft(drafts), best_draft(drafts, looked_up=True)):
             if name is not None:
                 lines.append(row(file, pair, data, name, result))
@@ -135,14 +137,13 @@ def table() -> str:
 def headline_table() -> str:
     lines = [HEADLINE_HEADER]
     result = json.loads((RESULTS / HEADLINE).read_text())
-    for name, f in result["drafts"].items():
+    for name, f in bench_summaries(result["drafts"], HEADLINE).items():
         grounded = json.loads((RESULTS / GROUNDED).read_text())["results"][HEADLINE]["drafts"][name]
         lines.append(
-            f"| {DRAFT_WORDS.get(name, name)} | {f['draft_max']} | {f['acceptance']:.1%} "
-            f"| {f['mean_accepted_len']:.2f} "
-            f"| {f['identical']}/{f['n']} / {f['llama_cpp_identical']}/{f['n']} "
-            f"| {speedup_or_not_run(f, 'aggregate_speedup', result)} / "
-            f"{speedup_or_not_run(f, 'aggregate_speedup_over_llama_cpp_defaults', result)} "
+            f"| {DRAFT_WORDS.get(name, name)} | {f.draft_max} | {f.acceptance:.1%} | {f.mean_accepted_len:.2f} "
+            f"| {f.identical}/{f.n} / {f.llama_cpp_identical}/{f.n} "
+            f"| {speedup_or_not_run(f.aggregate_speedup, result)} / "
+            f"{speedup_or_not_run(f.aggregate_speedup_over_llama_cpp_defaults, result)} "
             f"| {grounded['bytes_only_committed']:.2f}x / {on_card(grounded)} |"
         )
     return "\n".join(lines)
@@ -156,7 +157,7 @@ def heads_table() -> str:
             lines.append(
                 f"| {pair} ({data}) | {name} | {f['k']} | {f['n']} | {f['identical']}/{f['n']} "
                 f"| {f['llama_cpp_acceptance']:.1%} | {f['alpha']:.1%} / {f['tau']:.2f} "
-                f"| {speedup_or_not_run(f, 'over_llama_cpp_target_alone', result)} ({f['tokens']:,} tokens) "
+                f"| {speedup_or_not_run(f.get('over_llama_cpp_target_alone'), result)} ({f['tokens']:,} tokens) "
                 f"| {gpu_figures(file, name)} |"
             )
     return "\n".join(lines)

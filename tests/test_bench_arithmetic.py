@@ -3,6 +3,9 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import numpy as np
 import pytest
 from gguf import GGUFWriter
@@ -10,10 +13,11 @@ from gguf import GGUFWriter
 import spectune.bench.run as bench_run
 from spectune.bench.config import BenchConfig
 from spectune.bench.run import variant_profiles
-from spectune.bench.summary import first_sentence_over_alone, summarize
+from spectune.bench.summary import BenchSummary, Pooled, first_sentence_over_alone, measured_figures, summarize
 from spectune.gpu.card import reference_card
 from spectune.runtime.ngram import NgramSettings
 from spectune.runtime.profile import gguf_weights
+from spectune.runtime.registry import Variant
 from spectune.speedup import first_sentence_ratio
 
 COLD = {"ttft_ms": 5.0, "ttfs_ms": 9.0, "cold_ttft_ms": 7.0, "cold_ttfs_ms": 12.0}
@@ -114,25 +118,25 @@ def summary(tmp_path):
 
 
 def test_speedups_are_all_tokens_over_all_seconds(summary):
-    assert summary["aggregate_speedup"] == pytest.approx(3.0)  # (1.0 + 2.0) s alone over (0.5 + 0.5) s
-    assert (summary["total_tokens"], summary["total_seconds"], summary["target_total_seconds"]) == (30, 1.0, 3.0)
-    assert (summary["mean_speedup"], summary["best_speedup"], summary["worst_speedup"]) == (3.0, 4.0, 2.0)
+    assert summary.aggregate_speedup == pytest.approx(3.0)  # (1.0 + 2.0) s alone over (0.5 + 0.5) s
+    assert (summary.total_tokens, summary.total_seconds, summary.target_total_seconds) == (30, 1.0, 3.0)
+    assert (summary.mean_speedup, summary.best_speedup, summary.worst_speedup) == (3.0, 4.0, 2.0)
 
 
 def test_acceptance_and_tau_are_pooled_over_the_prompts(summary):
-    assert summary["acceptance"] == pytest.approx(13 / 16)  # (3 + 1 + 5 + 4) / (4 + 2 + 5 + 5), not a mean of rates
-    assert summary["acceptance_by_position"] == pytest.approx([8 / 9, 5 / 7])
-    assert summary["mean_accepted_len"] == pytest.approx(30 / 9)
-    assert summary["mean_drafted_per_step"] == pytest.approx(16 / 9)
+    assert summary.acceptance == pytest.approx(13 / 16)  # (3 + 1 + 5 + 4) / (4 + 2 + 5 + 5), not a mean of rates
+    assert summary.acceptance_by_position == pytest.approx([8 / 9, 5 / 7])
+    assert summary.mean_accepted_len == pytest.approx(30 / 9)
+    assert summary.mean_drafted_per_step == pytest.approx(16 / 9)
 
 
 def test_the_predictions_cost_each_step_by_what_it_drafted(summary):
     # 2 steps drafted 1 token, 7 drafted 2: here 2 (r(2) + c) + 7 (r(3) + 2c) = 25, and the catch-ups of 2 and 3
     # tokens cost c (r(2) - 1) + c (r(3) - 1) = 0.75 more; on a GPU 9 + 16 x 0.1 = 10.6 (a batch costs one step)
-    assert summary["draft_catch_ups"] == 2
-    assert summary["predicted_speedup_here"] == pytest.approx(30 / 25.75)
-    assert summary["gpu_cost_ratio"] == pytest.approx(0.1)
-    assert summary["predicted_speedup_gpu"] == pytest.approx(30 / 10.6)
+    assert summary.draft_catch_ups == 2
+    assert summary.predicted_speedup_here == pytest.approx(30 / 25.75)
+    assert summary.gpu_cost_ratio == pytest.approx(0.1)
+    assert summary.predicted_speedup_gpu == pytest.approx(30 / 10.6)
 
 
 def test_the_grounded_prediction_costs_each_step_on_the_reference_card(summary, tmp_path):
@@ -144,48 +148,48 @@ def test_the_grounded_prediction_costs_each_step_on_the_reference_card(summary, 
     c, r = card.cost_ratio(draft, target), card.verify_ratios(target)
     assert (target.layers, draft.layers) == (4, 1)
     assert 0.249 < c < 0.25 and 1.0 < r["2"] < r["3"] < 1.001
-    assert summary["gpu_card"] == card.label and "predicted" in card.label
-    assert summary["grounded_cost_ratio"] == pytest.approx(c)
-    assert summary["predicted_speedup_gpu_grounded"] == pytest.approx(30 / (2 * (r["2"] + c) + 7 * (r["3"] + 2 * c)))
+    assert summary.gpu_card == card.label and "predicted" in card.label
+    assert summary.grounded_cost_ratio == pytest.approx(c)
+    assert summary.predicted_speedup_gpu_grounded == pytest.approx(30 / (2 * (r["2"] + c) + 7 * (r["3"] + 2 * c)))
     (low_c, high_c), (low_r, high_r) = card.cost_ratio_band(draft, target), card.verify_band(target)
     worst = 30 / (2 * (high_r["2"] + high_c) + 7 * (high_r["3"] + 2 * high_c))
     best = 30 / (2 * (low_r["2"] + low_c) + 7 * (low_r["3"] + 2 * low_c))
-    assert summary["predicted_speedup_gpu_grounded_band"] == pytest.approx([worst, best])
-    assert worst <= summary["predicted_speedup_gpu_grounded"] <= best
+    assert summary.predicted_speedup_gpu_grounded_band == pytest.approx((worst, best))
+    assert worst <= summary.predicted_speedup_gpu_grounded <= best
 
 
-def test_the_first_sentence_waits_for_the_step_that_ends_it():
+def test_the_first_sentence_waits_for_the_step_that_ends_it(summary):
     assert first_sentence_ratio(1.0, 3.0, 2.0) == 1.0  # a one-token clause is the target's own step, drafted or not
     assert first_sentence_ratio(5.0, 1.0, 1.0) == 1.0  # nothing accepted, nothing lost: each step one token
     # 5 tokens: the first, then 4 at twice the pace, and the step that ends the clause yields (3 - 1) / 2 = 1 more
     assert first_sentence_ratio(5.0, 3.0, 2.0) == pytest.approx((1 + (4 + 1) / 2) / 5)
-    figures = {"target_ttft_ms": 100.0, "target_ttfs_ms": 500.0, "mean_accepted_len": 3.0}
+    figures = summary.model_copy(update={"target_ttft_ms": 100.0, "target_ttfs_ms": 500.0, "mean_accepted_len": 3.0})
     assert first_sentence_over_alone(figures, 2.0) == pytest.approx(0.7)  # the clause: 5 of the target's steps
 
 
 def test_the_llama_cpp_baseline_is_compared_per_decode_over_the_same_span(summary):
     # llama-server times n - 1 decodes for n tokens: 2.24 s / 28 = 80 ms; ours from first token to last: 2.8 / 28
-    assert summary["llama_cpp_target_ms_per_decode"] == pytest.approx(80.0)
-    assert summary["target_ms_per_decode"] == pytest.approx(100.0)
-    assert summary["baseline_vs_llama_cpp"] == pytest.approx(0.8)
-    assert summary["llama_cpp_target_total"] == [28, pytest.approx(2.24)]
+    assert summary.llama_cpp_target_ms_per_decode == pytest.approx(80.0)
+    assert summary.target_ms_per_decode == pytest.approx(100.0)
+    assert summary.baseline_vs_llama_cpp == pytest.approx(0.8)
+    assert summary.llama_cpp_target_total == (28, pytest.approx(2.24))
     # with the draft over llama.cpp's target alone on the same answers: 30 decodes at 80 ms over 1.0 s
-    assert summary["aggregate_speedup_over_llama_cpp"] == pytest.approx(2.4)
+    assert summary.aggregate_speedup_over_llama_cpp == pytest.approx(2.4)
 
 
 def test_the_headline_is_over_the_faster_llama_cpp(summary):
     """llama.cpp at its defaults decodes in 60 ms (1.62 s / 27 decodes): 30 x 60 ms over 1.0 s = 1.8x, the smaller."""
-    assert summary["llama_cpp_defaults_target_ms_per_decode"] == pytest.approx(60.0)
-    assert summary["baseline_vs_llama_cpp_defaults"] == pytest.approx(0.6)
-    assert summary["aggregate_speedup_over_llama_cpp_defaults"] == pytest.approx(1.8)
-    assert summary["aggregate_speedup_over_fastest_llama_cpp"] == pytest.approx(1.8)
+    assert summary.llama_cpp_defaults_target_ms_per_decode == pytest.approx(60.0)
+    assert summary.baseline_vs_llama_cpp_defaults == pytest.approx(0.6)
+    assert summary.aggregate_speedup_over_llama_cpp_defaults == pytest.approx(1.8)
+    assert summary.aggregate_speedup_over_fastest_llama_cpp == pytest.approx(1.8)
 
 
 def test_llama_cpps_speculative_figures_are_pooled_like_ours(summary):
-    assert summary["vs_llama_cpp"] == pytest.approx(1.0)  # 30 tokens in 1.0 s both
-    assert summary["llama_cpp_acceptance"] == pytest.approx(13 / 18)
-    assert summary["acceptance_as_llama_cpp_counts"] == pytest.approx(13 / 18)
-    assert summary["llama_cpp_identical"] == 2 and summary["llama_cpp_target_identical"] == 2
+    assert summary.vs_llama_cpp == pytest.approx(1.0)  # 30 tokens in 1.0 s both
+    assert summary.llama_cpp_acceptance == pytest.approx(13 / 18)
+    assert summary.acceptance_as_llama_cpp_counts == pytest.approx(13 / 18)
+    assert summary.llama_cpp_identical == 2 and summary.llama_cpp_target_identical == 2
 
 
 def test_in_front_of_a_draft_lookup_is_free_and_the_draft_pays_for_its_share(tmp_path):
@@ -206,13 +210,14 @@ def test_in_front_of_a_draft_lookup_is_free_and_the_draft_pays_for_its_share(tmp
     )
     config = config.model_copy(update={"ngram": NgramSettings()})
     combined = summarize("ngram+sft", rows, PROFILE, config, tmp_path / "d.gguf")
-    assert combined["cost_ratio"] == pytest.approx(0.25) and combined["gpu_cost_ratio"] == pytest.approx(0.05)
-    assert combined["predicted_speedup_gpu"] == pytest.approx(30 / (9 + 16 * 0.05))
-    assert combined["ngram_step_share"] == pytest.approx(3 / 9) and combined["ngram_acceptance"] == pytest.approx(6 / 8)
-    assert combined["ngram_context_share"] == pytest.approx(4 / 8)
+    assert combined.cost_ratio == pytest.approx(0.25) and combined.gpu_cost_ratio == pytest.approx(0.05)
+    assert combined.predicted_speedup_gpu == pytest.approx(30 / (9 + 16 * 0.05))
+    lookup = combined.lookups["ngram"]
+    assert lookup.step_share == pytest.approx(3 / 9) and lookup.acceptance == pytest.approx(6 / 8)
+    assert lookup.context_share == pytest.approx(4 / 8)
     alone = summarize("ngram", rows, {**PROFILE, "cost_ratio": 0.0}, config, None)
-    assert alone["gpu_cost_ratio"] == 0.0 and alone["predicted_speedup_gpu"] == pytest.approx(30 / 9)
-    assert alone["ngram_step_share"] == pytest.approx(1.0) and alone["ngram_drafted"] == 16
+    assert alone.gpu_cost_ratio == 0.0 and alone.predicted_speedup_gpu == pytest.approx(30 / 9)
+    assert alone.lookups["ngram"].step_share == pytest.approx(1.0) and alone.lookups["ngram"].drafted == 16
 
 
 def test_a_draft_is_profiled_as_far_as_its_longest_variant_drafts(tmp_path, monkeypatch):
@@ -246,3 +251,44 @@ def test_the_bench_refuses_settings_it_cannot_compare(tmp_path):
     with pytest.raises(ValueError, match=r"llama\.cpp's tools run without stop"):
         BenchConfig(**base, peer=True, stop=["."])
     assert BenchConfig(**base, stop=["."]).stop == ["."]  # spectune's own loop alone takes them
+
+
+RESULTS = Path(__file__).parent.parent / "benchmarks" / "results"
+
+
+def committed_summaries() -> list[tuple[str, dict, dict, list]]:
+    """(file, variant, its committed summary, the file's per-prompt rows) of every committed bench result."""
+    found = []
+    for path in sorted(RESULTS.rglob("*.json")):
+        result = json.loads(path.read_text())
+        for part in ("summary", "drafts") if isinstance(result, dict) else ():
+            for name, figures in (result.get(part) or {}).items():
+                if isinstance(figures, dict) and "aggregate_speedup" in figures:
+                    found.append((str(path.relative_to(RESULTS)), name, figures, result.get("prompts") or []))
+    return found
+
+
+def test_every_committed_bench_summary_reads_as_typed_and_writes_back_the_same_figures():
+    summaries = committed_summaries()
+    assert len(summaries) >= 60  # the results committed by 2026-12-06
+    for file, name, figures, _ in summaries:
+        written = BenchSummary.model_validate(figures).model_dump(mode="json")
+        assert {key: written[key] for key in figures} == figures, (file, name)
+        assert all(written[key] is None for key in set(written) - set(figures)), (file, name)
+
+
+def test_every_committed_bench_summary_recomputes_from_its_per_prompt_rows():
+    # the code that summarizes today finds the figures every committed bench printed (their predictions need the
+    # GGUFs, not committed: the measured figures are what the rows alone decide)
+    recomputed = 0
+    for file, name, figures, rows in committed_summaries():
+        first = rows[0]["variants"].get(name, {}) if rows else {}
+        if "drafted_at" not in first or not ({"by_source", "ngram_steps"} & set(first)):
+            continue  # not a row of our loop, or older than counting by speculator (history/)
+        variants = [row["variants"][name] for row in rows]
+        measured = measured_figures(name, rows, Pooled.of(variants, Variant.parse(name).draft is not None))
+        for key, value in measured.items():
+            if figures.get(key) is not None:
+                assert value == pytest.approx(figures[key], rel=1e-9), (file, name, key)
+                recomputed += 1
+    assert recomputed > 1000

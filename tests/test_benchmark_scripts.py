@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 import sys
 from pathlib import Path
 
@@ -62,7 +63,10 @@ def test_grounded_gpu_predicts_each_committed_row_on_the_card_with_its_band():
     card = reference_card()
     target = Weights(total=1_000_000_000, embedding=0, rows=1, tied=False, layers=28)
     result = {"drafts": {"seqkd": {"gpu_cost_ratio": 0.4}}, "pair": {"draft_layers": None}}
-    row = {"mean_accepted_len": 1.6, "mean_drafted_per_step": 0.9, "gpu_cost_ratio": 0.4, "predicted_speedup_gpu": 1.2}
+    committed = json.loads((BENCHMARKS / "results" / "speculative_qwen_sgd.json").read_text())["drafts"]["seqkd"]
+    figures = {"mean_accepted_len": 1.6, "mean_drafted_per_step": 0.9, "gpu_cost_ratio": 0.4}
+    figures["predicted_speedup_gpu"] = 1.2
+    row = committed | figures  # a bench summary as committed, with figures worked out by hand below
     out = grounded.predictions(card, result, target, "qwen2.5-coder-0.5b-instruct", "seqkd", row)
     draft = Weights(total=400_000_000, embedding=0, rows=1, tied=False, layers=24)
     c = card.cost_ratio(draft, target)

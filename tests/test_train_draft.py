@@ -132,8 +132,10 @@ def test_sft_beats_generic_on_held_out_prompts(micro_pair, tuned_target, drafts,
         assert set(row["tau_simulated"]) == {str(k) for k in range(1, 9)}
         assert row["alpha_by_position"]["1"] <= 1.0 and set(row["alpha_by_position"]) <= set(row["tau_simulated"])
         assert all(1.0 <= tau <= k + 1 for k, tau in ((int(k), t) for k, t in row["tau_simulated"].items()))
-        gpu = row["speedup"]["gpu"]
-        assert row["recommended_k"] == max(1, int(max(gpu, key=gpu.get)))  # the GPU's best k, never 0
+        # the best k on the reference card where the GGUFs gave it, else bytes only; never 0
+        assert row["recommended_by"] == ("gpu-grounded" if "gpu-grounded" in row["speedup"] else "gpu")
+        ranked = row["speedup"][row["recommended_by"]]
+        assert row["recommended_k"] == max(1, int(max(ranked, key=ranked.get)))
     assert (tmp_path / "acceptance.json").is_file()
 
 

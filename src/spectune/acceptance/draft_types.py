@@ -155,10 +155,8 @@ def type_files(
 
 
 def best_speedup(row: DraftAcceptance) -> tuple[str, int, float]:
-    """(profile key, k, S): on the reference card where the row has it, else memory-bound, at its best k."""
-    key = GROUNDED_PROFILE if GROUNDED_PROFILE in row.speedup else GPU_PROFILE
-    k = row.best_k[key]
-    return key, k, row.speedup[key][k]
+    """(profile key, k, S): at the row's recommended k, on the profile it was chosen by (ranking_profile)."""
+    return row.recommended_by, row.recommended_k, row.speedup[row.recommended_by][row.recommended_k]
 
 
 def card_band(row: DraftAcceptance, k: int, draft: Weights, target: Weights) -> tuple[float, float]:

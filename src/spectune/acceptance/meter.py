@@ -15,6 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from spectune.gpu.card import GROUNDED_PROFILE
 from spectune.runtime.ngram import NGRAM, NgramDrafter, NgramSettings, NgramTable
 from spectune.runtime.registry import Variant
 from spectune.speedup import (
@@ -52,7 +53,8 @@ class DraftAcceptance:
     cost_ratio: dict[str, float]  # profile key -> c
     speedup: dict[str, dict[int, float]]  # profile key -> k -> S(k)
     best_k: dict[str, int]
-    recommended_k: int  # the best k on a memory-bound GPU, at least 1: what bench, serve and llama-server use
+    recommended_k: int  # the best k on the GPU, at least 1: what bench, serve and llama-server use
+    recommended_by: str  # the profile that k is best on: the reference card's where it has one (ranking_profile)
     alpha_sampled: float | None = None  # E[Σ min(p, q)] at the given temperature
     looked_up: dict[str, float] | None = None  # n-gram variants at the recommended k: see Replay.looked_up
 
@@ -231,7 +233,8 @@ def acceptance_row(
         }
         for profile in profiles
     }
-    best = max(speedups[GPU_PROFILE], key=speedups[GPU_PROFILE].get)
+    ranked_by = ranking_profile(speedups)
+    best = max(speedups[ranked_by], key=speedups[ranked_by].get)
     return DraftAcceptance(
         name=name,
         alpha=alpha,
@@ -244,9 +247,17 @@ def acceptance_row(
         speedup=speedups,
         best_k={profile: max(values, key=values.get) for profile, values in speedups.items()},
         recommended_k=max(1, best),
+        recommended_by=ranked_by,
         alpha_sampled=alpha_sampled,
         looked_up=replays[best].looked_up() if lookup else None,
     )
+
+
+def ranking_profile(speedups: dict[str, Any]) -> str:
+    """The profile a draft's k is chosen by: the reference card's (c and r fitted on published llama.cpp figures,
+    with their error), where the draft's GGUF gave its layers; else bytes only. Bytes only puts r(k+1) at 1, so it
+    prefers longer drafts than the card does (a head: k 3-4 where the card's best is 1-2)."""
+    return GROUNDED_PROFILE if GROUNDED_PROFILE in speedups else GPU_PROFILE
 
 
 def measure(

@@ -10,8 +10,9 @@ from spectune.atomic import atomic_path
 from spectune.bench.config import BASELINES
 from spectune.bench.serving import serving_lines
 from spectune.bench.stalls import stall_lines
-from spectune.bench.summary import grounded_figure
+from spectune.bench.summary import BenchSummary, bench_summaries, grounded_figure
 from spectune.gpu.card import reference_card
+from spectune.runtime.ngram import NGRAM
 
 
 def write_report(report: dict[str, Any], out: Path, with_plot: bool = True) -> None:
@@ -31,7 +32,7 @@ def timed_runs(repeats: int) -> str:
 
 
 def markdown(report: dict[str, Any]) -> str:
-    settings = report["settings"]
+    settings, summaries = report["settings"], bench_summaries(report["summary"], "the bench report")
     lines = [
         "# spectune bench",
         "",
@@ -45,20 +46,18 @@ def markdown(report: dict[str, Any]) -> str:
         "predicted on the reference card (band) |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for name, s in report["summary"].items():
+    for name, s in summaries.items():
         lines.append(
-            f"| {name} | {s['draft_max']} | {s['identical']}/{s['n']} | {s['acceptance']:.1%} | "
-            f"{s['mean_accepted_len']:.2f} | "
-            f"{s['aggregate_speedup']:.2f}x ({s['total_tokens']}, {s['total_seconds']:.2f} vs "
-            f"{s['target_total_seconds']:.2f}) | "
-            f"{s['mean_speedup']:.2f}x / {s['best_speedup']:.2f}x / {s['worst_speedup']:.2f}x | "
-            f"{s['cost_ratio']:.3f} | {s['verify_ratio']:.2f} | {s['predicted_speedup_here']:.2f}x | "
-            f"{s['predicted_speedup_gpu']:.2f}x (c = {s['gpu_cost_ratio']:.3f}) | "
-            f"{grounded_figure(s)} (c = {s['grounded_cost_ratio']:.3f}, {s['gpu_card']}) |"
+            f"| {name} | {s.draft_max} | {s.identical}/{s.n} | {s.acceptance:.1%} | {s.mean_accepted_len:.2f} | "
+            f"{s.aggregate_speedup:.2f}x ({s.total_tokens}, {s.total_seconds:.2f} vs {s.target_total_seconds:.2f}) | "
+            f"{s.mean_speedup:.2f}x / {s.best_speedup:.2f}x / {s.worst_speedup:.2f}x | "
+            f"{s.cost_ratio:.3f} | {s.verify_ratio:.2f} | {s.predicted_speedup_here:.2f}x | "
+            f"{s.predicted_speedup_gpu:.2f}x (c = {s.gpu_cost_ratio:.3f}) | "
+            f"{grounded_figure(s)} (c = {s.grounded_cost_ratio:.3f}, {s.gpu_card}) |"
         )
-    lines += latency_lines(report) + ngram_lines(report) + llama_cpp_lines(report)
+    lines += latency_lines(summaries, settings) + ngram_lines(summaries) + llama_cpp_lines(summaries)
     lines += serving_lines(report.get("serving")) + stall_lines(report.get("retimed", []))
-    timed = [s["target_total_seconds"] for s in report["summary"].values()]
+    timed = [s.target_total_seconds for s in summaries.values()]
     if timed and min(timed) < 2.0:
         lines += ["", f"The target alone decoded for {min(timed):.2f} s in all: too little to time reliably."]
     lines += [
@@ -78,7 +77,7 @@ def markdown(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def latency_lines(report: dict[str, Any]) -> list[str]:
+def latency_lines(summaries: dict[str, BenchSummary], settings: dict[str, Any]) -> list[str]:
     """What a caller waits for: the first token and the first sentence (the first chunk a TTS engine can speak),
     with the draft and (in brackets) the target alone. Prompt cached: each prompt runs in rounds, so both caches
     hold it (a conversation's earlier turns are cached the same way). New prompt: both caches empty, the prefill
@@ -92,26 +91,25 @@ def latency_lines(report: dict[str, Any]) -> list[str]:
         "here (model) / on the card |",
         "|---|---|---|---|---|---|",
     ]
-    for name, s in report["summary"].items():
+    for name, s in summaries.items():
         lines.append(
-            f"| {name} | {s['ttft_ms']:.0f} ({s['target_ttft_ms']:.0f}) | "
-            f"{s['ttfs_ms']:.0f} ({s['target_ttfs_ms']:.0f}) | "
-            f"{s['cold_ttft_ms']:.0f} ({s['target_cold_ttft_ms']:.0f}) | {s['cold_ttfs_ms']:.0f} / "
-            f"{s['cold_ttfs_first_clause_alone_ms']:.0f} ({s['target_cold_ttfs_ms']:.0f}) | "
-            f"{s['ttfs_ms'] / s['target_ttfs_ms']:.2f}x ({s['predicted_first_sentence_here']:.2f}x) / "
-            f"{s['predicted_first_sentence_gpu_grounded']:.2f}x |"
+            f"| {name} | {s.ttft_ms:.0f} ({s.target_ttft_ms:.0f}) | {s.ttfs_ms:.0f} ({s.target_ttfs_ms:.0f}) | "
+            f"{s.cold_ttft_ms:.0f} ({s.target_cold_ttft_ms:.0f}) | {s.cold_ttfs_ms:.0f} / "
+            f"{s.cold_ttfs_first_clause_alone_ms:.0f} ({s.target_cold_ttfs_ms:.0f}) | "
+            f"{s.ttfs_ms / s.target_ttfs_ms:.2f}x ({s.predicted_first_sentence_here:.2f}x) / "
+            f"{s.predicted_first_sentence_gpu_grounded:.2f}x |"
         )
-    every = report["settings"]["first_words_every"]
+    every = settings["first_words_every"]
     if every > 1:
-        measured = next(iter(report["summary"].values()))["first_words_prompts"]
-        total = report["settings"]["n"]
+        measured = next(iter(summaries.values())).first_words_prompts
+        total = settings["n"]
         lines += ["", f"A new prompt's first words: measured on {measured} of the {total} prompts (one in {every})."]
     return lines
 
 
-def ngram_lines(report: dict[str, Any]) -> list[str]:
+def ngram_lines(summaries: dict[str, BenchSummary]) -> list[str]:
     """What n-gram lookup did in each variant that used it: how often it proposed, how much the target kept."""
-    looked_up = {name: s for name, s in report["summary"].items() if s["ngram_drafted"]}
+    looked_up = {name: s.lookups[NGRAM] for name, s in summaries.items() if s.lookups[NGRAM].drafted}
     if not looked_up:
         return []
     lines = [
@@ -119,10 +117,10 @@ def ngram_lines(report: dict[str, Any]) -> list[str]:
         "| variant | steps proposed by lookup | tokens looked up | of them accepted | from the conversation |",
         "|---|---|---|---|---|",
     ]
-    for name, s in looked_up.items():
+    for name, lookup in looked_up.items():
         lines.append(
-            f"| {name} | {s['ngram_step_share']:.1%} | {s['ngram_drafted']} | {s['ngram_acceptance']:.1%} | "
-            f"{s['ngram_context_share']:.1%} |"
+            f"| {name} | {lookup.step_share:.1%} | {lookup.drafted} | {lookup.acceptance:.1%} | "
+            f"{lookup.context_share:.1%} |"
         )
     return [
         *lines,
@@ -131,10 +129,10 @@ def ngram_lines(report: dict[str, Any]) -> list[str]:
     ]
 
 
-def llama_cpp_lines(report: dict[str, Any]) -> list[str]:
+def llama_cpp_lines(summaries: dict[str, BenchSummary]) -> list[str]:
     """llama.cpp's speculative decoder beside ours, and its target alone as the baseline check (--peer)."""
     lines: list[str] = []
-    peers = {name: s for name, s in report["summary"].items() if "vs_llama_cpp" in s}
+    peers = {name: s for name, s in summaries.items() if s.vs_llama_cpp is not None}
     if peers:
         lines += [
             "",
@@ -144,9 +142,8 @@ def llama_cpp_lines(report: dict[str, Any]) -> list[str]:
         ]
         for name, s in peers.items():
             lines.append(
-                f"| {name} | {s['llama_cpp_tokens_per_second']:.1f} | {s['llama_cpp_acceptance']:.1%} | "
-                f"{s['acceptance_as_llama_cpp_counts']:.1%} | {s['llama_cpp_identical']}/{s['n']} | "
-                f"{s['vs_llama_cpp']:.2f}x |"
+                f"| {name} | {s.llama_cpp_tokens_per_second:.1f} | {s.llama_cpp_acceptance:.1%} | "
+                f"{s.acceptance_as_llama_cpp_counts:.1%} | {s.llama_cpp_identical}/{s.n} | {s.vs_llama_cpp:.2f}x |"
             )
         lines.append(
             "llama.cpp's draft-simple drafts k tokens every step, on past the draft's end token, counts them all as "
@@ -155,12 +152,12 @@ def llama_cpp_lines(report: dict[str, Any]) -> list[str]:
             "first step drafts k (its draft reads the prompt before the first token), ours is the target's own, so "
             "the steps fall differently after it (and at the token limit llama.cpp's last step still drafts k)."
         )
-    baselines = {name: s for name, s in report["summary"].items() if "baseline_vs_llama_cpp" in s}
+    baselines = {name: s.model_dump() for name, s in summaries.items() if s.baseline_vs_llama_cpp is not None}
     if baselines:
         first = next(iter(baselines.values()))
         lines += ["", "Baseline: the target alone through llama.cpp's own loop (llama-server, same GGUF and threads)."]
         for field, said in BASELINES.items():
-            if f"baseline_vs_{field}" not in first:
+            if first[f"baseline_vs_{field}"] is None:
                 continue
             lines.append(
                 f"{said.capitalize()}: {first[f'{field}_target_ms_per_decode']:.2f} ms per decode "
@@ -181,10 +178,10 @@ def plot(report: dict[str, Any], out: Path) -> None:
     import matplotlib.pyplot as plt
 
     figure, axes = plt.subplots(1, 2, figsize=(12, 4))
-    for name in report["summary"]:
+    for name, summary in bench_summaries(report["summary"], "the bench report").items():
         speedups = [row["variants"][name]["speedup"] for row in report["prompts"]]
         axes[0].plot(range(1, len(speedups) + 1), speedups, marker="o", label=name)
-        by_position = report["summary"][name]["acceptance_by_position"]
+        by_position = summary.acceptance_by_position
         axes[1].plot(range(1, len(by_position) + 1), by_position, marker="o", label=name)
     axes[0].axhline(1.0, color="grey", linewidth=0.8)
     axes[0].set(title="wall-clock speedup per prompt (this machine)", xlabel="prompt", ylabel="speedup")

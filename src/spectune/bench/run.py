@@ -23,7 +23,7 @@ from spectune.bench.llama_cpp_loop import PeerRun, llama_baseline, run_peer
 from spectune.bench.report import write_report
 from spectune.bench.serving import FASTEST, serving_choice
 from spectune.bench.stalls import retime_stalls
-from spectune.bench.summary import summarize, with_first_sentence
+from spectune.bench.summary import summarize
 from spectune.data.prepare import read_prompts
 from spectune.data.read import assistant_turns
 from spectune.engines.llama_cpp import SPECULATIVE_TOOL, built_tool
@@ -108,7 +108,7 @@ def bench(config: BenchConfig) -> dict[str, Any]:
         "prompts": rows,
         "retimed": retimed,
         "summary": {
-            name: with_first_sentence(summarize(name, rows, profiles[name], config, config.draft_path(name)))
+            name: summarize(name, rows, profiles[name], config, config.draft_path(name)).model_dump(mode="json")
             for name in config.variants()
         },
         "serving": serving_choice(rows, list(config.variants())),

@@ -8,7 +8,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    SerializerFunctionWrapHandler,
+    ValidationError,
+    model_serializer,
+    model_validator,
+)
+
 from spectune.bench.config import BASELINES, BenchConfig, draft_length
+from spectune.errors import SpectuneError
 from spectune.gpu.card import reference_card
 from spectune.gpu.predict import on_card_of_steps
 from spectune.layout import TARGET
@@ -23,78 +33,115 @@ from spectune.speedup import (
     verify_ratio_at,
 )
 
-# What benchmarks/speculative.py and benchmarks/gpu/bench.py keep of each draft's summary.
-SUMMARY_KEYS = (
-    "n",
-    "draft_max",
-    "identical",
-    "exact",
-    "aggregate_speedup",
-    "total_tokens",
-    "total_seconds",
-    "target_total_seconds",
-    "ttfs_ms",
-    "target_ttfs_ms",
-    "ttft_ms",
-    "target_ttft_ms",
-    "cold_ttft_ms",
-    "target_cold_ttft_ms",
-    "cold_ttfs_ms",
-    "cold_ttfs_first_clause_alone_ms",
-    "target_cold_ttfs_ms",
-    "first_words_prompts",
-    "mean_speedup",
-    "best_speedup",
-    "worst_speedup",
-    "acceptance",
-    "acceptance_by_position",
-    "mean_accepted_len",
-    "cost_ratio",
-    "verify_ratio",
-    "mean_drafted_per_step",
-    "draft_catch_ups",
-    "predicted_speedup_here",
-    "predicted_speedup_gpu",
-    "gpu_cost_ratio",
-    "gpu_card",
-    "grounded_cost_ratio",
-    "predicted_speedup_gpu_grounded",
-    "predicted_speedup_gpu_grounded_band",
-    "predicted_first_sentence_here",
-    "predicted_first_sentence_gpu_grounded",
-    "ngram_step_share",
-    "ngram_drafted",
-    "ngram_acceptance",
-    "ngram_context_share",
-)
-
 COLD_KEYS = ("cold_ttft_ms", "cold_ttfs_ms", "cold_ttfs_first_clause_alone_ms")  # per prompt, a new caller's
 
-PEER_KEYS = (  # present where --peer ran llama.cpp's own decoders
-    "vs_llama_cpp",
-    "llama_cpp_tokens_per_second",
-    "llama_cpp_acceptance",
-    "acceptance_as_llama_cpp_counts",
-    "llama_cpp_identical",
-    "baseline_vs_llama_cpp",
-    "target_ms_per_decode",
-    "llama_cpp_target_ms_per_decode",
-    "llama_cpp_target_identical",
-    "llama_cpp_target_total",
-    "aggregate_speedup_over_llama_cpp",
-    "baseline_vs_llama_cpp_defaults",
-    "llama_cpp_defaults_target_ms_per_decode",
-    "llama_cpp_defaults_target_identical",
-    "llama_cpp_defaults_target_total",
-    "aggregate_speedup_over_llama_cpp_defaults",
-    "aggregate_speedup_over_fastest_llama_cpp",
-)
+
+class LookupFigures(BaseModel):
+    """A model-free speculator's part in a variant's steps, pooled over the prompts (lookup_figures)."""
+
+    model_config = ConfigDict(extra="forbid")
+    step_share: float  # of the verify steps, those it proposed for
+    drafted: int
+    acceptance: float
+    context_share: float  # of its drafted tokens, those the conversation itself gave
+
+
+class BenchSummary(BaseModel):
+    """A variant's figures from a bench's per-prompt rows (summarize): what the report, the pipeline's line, the
+    README's tables and benchmarks/grounded_gpu.py read. As JSON it is flat, as every committed result is: a
+    lookup's figures as `SOURCE_step_share`, ... Figures a result from before they existed lacks are None."""
+
+    model_config = ConfigDict(extra="forbid")
+    n: int
+    draft_max: int
+    identical: int
+    exact: bool
+    # all tokens over all decode seconds, with the draft over the target alone (each prompt's median run)
+    aggregate_speedup: float
+    total_tokens: int
+    total_seconds: float
+    target_total_seconds: float
+    ttfs_ms: float  # medians over the prompts: to the first sentence and the first token, prompt cached
+    target_ttfs_ms: float
+    ttft_ms: float
+    target_ttft_ms: float
+    first_words_prompts: int | None = None  # the prompts that timed a new caller's first words (the cold_ figures)
+    cold_ttft_ms: float | None = None
+    cold_ttfs_ms: float | None = None
+    cold_ttfs_first_clause_alone_ms: float | None = None
+    target_cold_ttft_ms: float | None = None
+    target_cold_ttfs_ms: float | None = None
+    mean_speedup: float
+    best_speedup: float
+    worst_speedup: float
+    acceptance: float
+    acceptance_by_position: list[float]
+    mean_accepted_len: float  # τ: tokens per verify step, pooled
+    mean_drafted_per_step: float
+    draft_catch_ups: int | None = None
+    lookups: dict[str, LookupFigures]
+    cost_ratio: float  # c here, on the draft model's share of the drafted tokens
+    verify_ratio: float
+    profile: dict[str, Any] | None = None  # c and r(n) as measured in the run (not kept in committed rows)
+    predicted_speedup_here: float
+    predicted_speedup_gpu: float  # bytes only
+    gpu_cost_ratio: float
+    gpu_card: str | None = None
+    grounded_cost_ratio: float | None = None
+    predicted_speedup_gpu_grounded: float | None = None  # on the reference card
+    predicted_speedup_gpu_grounded_band: tuple[float, float] | None = None
+    predicted_first_sentence_here: float | None = None
+    predicted_first_sentence_gpu_grounded: float | None = None
+    # llama.cpp beside ours, where --peer ran it (versus_llama_cpp)
+    vs_llama_cpp: float | None = None
+    llama_cpp_tokens_per_second: float | None = None
+    llama_cpp_acceptance: float | None = None
+    acceptance_as_llama_cpp_counts: float | None = None
+    llama_cpp_identical: int | None = None
+    target_ms_per_decode: float | None = None
+    baseline_vs_llama_cpp: float | None = None
+    llama_cpp_target_ms_per_decode: float | None = None
+    llama_cpp_target_identical: int | None = None
+    llama_cpp_target_total: tuple[int, float] | None = None
+    aggregate_speedup_over_llama_cpp: float | None = None
+    baseline_vs_llama_cpp_defaults: float | None = None
+    llama_cpp_defaults_target_ms_per_decode: float | None = None
+    llama_cpp_defaults_target_identical: int | None = None
+    llama_cpp_defaults_target_total: tuple[int, float] | None = None
+    aggregate_speedup_over_llama_cpp_defaults: float | None = None
+    aggregate_speedup_over_fastest_llama_cpp: float | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def gather_lookups(cls, data: Any) -> Any:
+        if not isinstance(data, dict) or "lookups" in data:
+            return data
+        sources = [key.removesuffix("_step_share") for key in data if key.endswith("_step_share")]
+        flat = {f"{source}_{field}": (source, field) for source in sources for field in LookupFigures.model_fields}
+        lookups: dict[str, dict[str, Any]] = {source: {} for source in sources}
+        for key, (source, field) in flat.items():
+            if key in data:
+                lookups[source][field] = data[key]
+        return {key: value for key, value in data.items() if key not in flat} | {"lookups": lookups}
+
+    @model_serializer(mode="wrap")
+    def flat_lookups(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        data = handler(self)
+        lookups = data.pop("lookups", {})
+        return data | {f"{source}_{field}": value for source, row in lookups.items() for field, value in row.items()}
+
+
+def bench_summaries(summaries: dict[str, Any], where: str) -> dict[str, BenchSummary]:
+    """Each variant's BenchSummary from a report's JSON (`where`: the report, for the error)."""
+    try:
+        return {name: BenchSummary.model_validate(summary) for name, summary in summaries.items()}
+    except ValidationError as error:
+        raise SpectuneError(f"{where}: not a bench summary: {error}") from error
 
 
 def result_row(summary: dict[str, Any]) -> dict[str, Any]:
-    """A draft's figures as the benchmarks commit them: every summary key, and llama.cpp's (None where the peer
-    was not run)."""
-    return {key: summary[key] for key in SUMMARY_KEYS} | {key: summary.get(key) for key in PEER_KEYS}
+    """A variant's figures as the benchmarks commit them: all but the run's profile."""
+    return BenchSummary.model_validate(summary).model_dump(mode="json", exclude={"profile"})
 
 
 def totals(variants: list[dict[str, Any]]) -> tuple[int, float]:
@@ -172,23 +219,24 @@ def measured_figures(name: str, rows: list[dict], pooled: Pooled) -> dict[str, A
     }
 
 
-def summarize(
-    name: str, rows: list[dict], profile: dict, config: BenchConfig, draft_path: Path | None
-) -> dict[str, Any]:
+def summarize(name: str, rows: list[dict], profile: dict, config: BenchConfig, draft_path: Path | None) -> BenchSummary:
     """The measured figures, and the predictions of the step-cost model here (`profile`: c and r(n) measured in
     the same run) and on a GPU, on the steps the bench really made (k at most: see speedup_of_steps)."""
     k = draft_length(config, name)
     pooled = Pooled.of([row["variants"][name] for row in rows], draft_path is not None)
     steps = (pooled.tau, pooled.drafted_at, pooled.steps)
-    return {
-        **measured_figures(name, rows, pooled),
-        "draft_max": k,
-        "exact": config.exact,
-        "verify_ratio": verify_ratio_at(profile["verify_ratio"], k + 1),
-        "profile": profile,
-        **predicted_here(pooled, profile),
-        **gpu_predictions(config, name, draft_path, pooled.model_share, steps),
-    }
+    summary = BenchSummary.model_validate(
+        {
+            **measured_figures(name, rows, pooled),
+            "draft_max": k,
+            "exact": config.exact,
+            "verify_ratio": verify_ratio_at(profile["verify_ratio"], k + 1),
+            "profile": profile,
+            **predicted_here(pooled, profile),
+            **gpu_predictions(config, name, draft_path, pooled.model_share, steps),
+        }
+    )
+    return with_first_sentence(summary)
 
 
 def predicted_here(pooled: Pooled, profile: dict) -> dict[str, float]:
@@ -236,29 +284,32 @@ def gpu_predictions(
     }
 
 
-def grounded_figure(summary: dict[str, Any]) -> str:
+def grounded_figure(summary: BenchSummary) -> str:
     """The reference card's prediction as printed: the figure and its band (results older than the band: none)."""
-    figure = f"{summary['predicted_speedup_gpu_grounded']:.2f}x"
-    band = summary.get("predicted_speedup_gpu_grounded_band")
+    figure = f"{summary.predicted_speedup_gpu_grounded:.2f}x"
+    band = summary.predicted_speedup_gpu_grounded_band
     return f"{figure} ({band[0]:.2f}-{band[1]:.2f}x)" if band else figure
 
 
-def first_sentence_over_alone(summary: dict[str, Any], speedup: float) -> float:
+def first_sentence_over_alone(summary: BenchSummary, speedup: float) -> float:
     """Time to the first sentence over the target alone's, the prompt cached (speedup.first_sentence_ratio), for a
     variant that speeds whole answers `speedup` times: the clause is as many target steps as the target alone took
     here (its time to the first sentence over its first token's), τ the bench's. With the bench's own aggregate
     speedup it is checked against what the bench timed; with the grounded one it is the prediction for the card."""
-    clause_tokens = summary["target_ttfs_ms"] / summary["target_ttft_ms"]
-    return first_sentence_ratio(clause_tokens, summary["mean_accepted_len"], speedup)
+    clause_tokens = summary.target_ttfs_ms / summary.target_ttft_ms
+    return first_sentence_ratio(clause_tokens, summary.mean_accepted_len, speedup)
 
 
-def with_first_sentence(summary: dict[str, Any]) -> dict[str, Any]:
-    return summary | {
-        "predicted_first_sentence_here": first_sentence_over_alone(summary, summary["aggregate_speedup"]),
-        "predicted_first_sentence_gpu_grounded": first_sentence_over_alone(
-            summary, summary["predicted_speedup_gpu_grounded"]
-        ),
-    }
+def with_first_sentence(summary: BenchSummary) -> BenchSummary:
+    grounded = summary.predicted_speedup_gpu_grounded
+    return summary.model_copy(
+        update={
+            "predicted_first_sentence_here": first_sentence_over_alone(summary, summary.aggregate_speedup),
+            "predicted_first_sentence_gpu_grounded": (
+                first_sentence_over_alone(summary, grounded) if grounded is not None else None
+            ),
+        }
+    )
 
 
 def source_counts(variant: dict[str, Any]) -> dict[str, dict[str, int]]:

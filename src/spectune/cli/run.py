@@ -10,7 +10,7 @@ import typer
 from pydantic import Field
 from rich.table import Table
 
-from spectune.bench.summary import grounded_figure
+from spectune.bench.summary import bench_summaries, grounded_figure
 from spectune.cli.shared import VerboseSettings, console
 from spectune.config import positional
 from spectune.flags import config_command
@@ -69,25 +69,26 @@ def demo(config: DemoConfig) -> None:
 def print_story(summary: dict[str, Any], layout: RunLayout) -> None:
     """The demo's last lines: per draft what it guessed, what that predicts on a GPU and measures here."""
     # Short headers, the shared figures in the caption: one row a line in an 80-column terminal (the report has all).
-    first = next(iter(summary["bench"].values()))
+    summaries = bench_summaries(summary["bench"], f"{layout.manifest}: summary.bench")
+    first = next(iter(summaries.values()))
     table = Table(
         title="speculative decoding, the target alone = 1.00x",
-        caption=f"GPU: predicted, c = {first['gpu_cost_ratio']:.2f} (bytes a step reads). card: "
-        f"{first['gpu_card']}, c and r fitted on published llama.cpp figures. CPU: measured here, all "
-        f"{first['total_tokens']:,} tokens over all decode time. same: answers identical to the target alone's.",
+        caption=f"GPU: predicted, c = {first.gpu_cost_ratio:.2f} (bytes a step reads). card: "
+        f"{first.gpu_card}, c and r fitted on published llama.cpp figures. CPU: measured here, all "
+        f"{first.total_tokens:,} tokens over all decode time. same: answers identical to the target alone's.",
     )
     for column in ("draft", "k", "accept", "tok/pass", "GPU", "card", "CPU", "same"):
         table.add_column(column, justify="left" if column == "draft" else "right")
-    for name, s in summary["bench"].items():
+    for name, s in summaries.items():
         table.add_row(
             name,
-            str(s["draft_max"]),
-            f"{s['acceptance']:.0%}",
-            f"{s['mean_accepted_len']:.2f}",
-            f"{s['predicted_speedup_gpu']:.2f}x",
+            str(s.draft_max),
+            f"{s.acceptance:.0%}",
+            f"{s.mean_accepted_len:.2f}",
+            f"{s.predicted_speedup_gpu:.2f}x",
             grounded_figure(s),
-            f"{s['aggregate_speedup']:.2f}x",
-            f"{s['identical']}/{s['n']}",
+            f"{s.aggregate_speedup:.2f}x",
+            f"{s.identical}/{s.n}",
         )
     console.print()
     console.print(table)
@@ -99,10 +100,10 @@ def print_story(summary: dict[str, Any], layout: RunLayout) -> None:
             f"it: python benchmarks/eagle3.py {layout.root}"
         )
         return
-    best = summary["bench"][chosen.draft_name]
-    profile = best["profile"]
+    best = summaries[chosen.draft_name]
+    profile = best.profile  # every bench keeps the profile it measured
     console.print(
-        f"Why CPU and GPU differ: here verifying {best['draft_max'] + 1} tokens costs {best['verify_ratio']:.1f}x one "
+        f"Why CPU and GPU differ: here verifying {best.draft_max + 1} tokens costs {best.verify_ratio:.1f}x one "
         "(decoding on a small CPU is compute-bound), on a GPU about 1x (memory-bound), so the same guesses pay off "
         f"there. Measured: target {profile['target_ms_per_token']:.2f} ms/token, draft "
         f"{profile['draft_ms_per_token']:.2f} ms/token (c = {profile['cost_ratio']:.3f}). Report: {layout.report}"

@@ -108,7 +108,7 @@ class ExportPairConfig(ExportSettings, ThreadsSettings):
 
 def choose_draft(drafts: list[str], acceptance: dict[str, Any] | None) -> tuple[Variant, int]:
     """(variant to serve, its k): the tuned draft, or n-gram lookup in front of it, with the best predicted GPU
-    speedup at its recommended k."""
+    speedup at its recommended k (on the reference card where the acceptance stage had it)."""
     if acceptance is None:
         return Variant(draft=drafts[0]), DEFAULT_DRAFT_MAX
     # each draft model, alone or with n-gram lookup in front (lookup alone is measured, but a pair serves a draft)
@@ -119,7 +119,12 @@ def choose_draft(drafts: list[str], acceptance: dict[str, Any] | None) -> tuple[
     if not tuned:
         raise SpectuneError(f"the acceptance report has none of the drafts {', '.join(drafts)}")
     row = {variant: rows[variant.name] for variant in tuned}
-    best = max(tuned, key=lambda variant: row[variant]["speedup"][GPU_PROFILE][str(row[variant]["recommended_k"])])
+
+    def predicted(variant: Variant) -> float:  # at its recommended k, on the profile that k was chosen by
+        figures = row[variant]
+        return figures["speedup"][figures.get("recommended_by", GPU_PROFILE)][str(figures["recommended_k"])]
+
+    best = max(tuned, key=predicted)
     return best, row[best]["recommended_k"]
 
 

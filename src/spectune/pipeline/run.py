@@ -21,6 +21,7 @@ from typing import Any
 
 from spectune.acceptance.draft_types import type_table
 from spectune.atomic import atomic_path
+from spectune.bench.summary import bench_summaries
 from spectune.cache import path_hash
 from spectune.config import Settings
 from spectune.errors import SpectuneError
@@ -215,25 +216,24 @@ def dry_run(config: RunConfig) -> dict[str, Any]:
 def summarize(accepted: dict[str, Any], benched: dict[str, Any], layout: RunLayout) -> dict[str, Any]:
     """The run's result in the reference story's terms."""
     alpha = {row["name"]: row["alpha"] for row in accepted["drafts"]}
-    bench_summary = benched["summary"]
-    names = list(bench_summary)
-    identical = sum(bench_summary[name]["identical"] for name in names)
-    prompts = sum(bench_summary[name]["n"] for name in names)
+    summaries = bench_summaries(benched["summary"], f"{layout.bench_dir}: the bench stage's summary")
+    identical = sum(s.identical for s in summaries.values())
+    prompts = sum(s.n for s in summaries.values())
     line = (
         "acceptance: "
-        + " | ".join(f"{name} {bench_summary[name]['acceptance']:.0%}" for name in names)
+        + " | ".join(f"{name} {s.acceptance:.0%}" for name, s in summaries.items())
         + " — tokens per target pass "
-        + " / ".join(f"{bench_summary[name]['mean_accepted_len']:.1f}" for name in names)
+        + " / ".join(f"{s.mean_accepted_len:.1f}" for s in summaries.values())
         + " — predicted on a GPU "
-        + " / ".join(f"{bench_summary[name]['predicted_speedup_gpu']:.1f}x" for name in names)
+        + " / ".join(f"{s.predicted_speedup_gpu:.1f}x" for s in summaries.values())
         + f" ({reference_card().label}: "
-        + " / ".join(f"{bench_summary[name]['predicted_speedup_gpu_grounded']:.1f}x" for name in names)
+        + " / ".join(f"{s.predicted_speedup_gpu_grounded:.1f}x" for s in summaries.values())
         + ")"
         + " — here (CPU, compute-bound, all tokens / all time) "
-        + " / ".join(f"{bench_summary[name]['aggregate_speedup']:.2f}x" for name in names)
+        + " / ".join(f"{s.aggregate_speedup:.2f}x" for s in summaries.values())
         + f" — identical answers {identical}/{prompts} — report: {layout.report}"
     )
-    return {"line": line, "offline_alpha": alpha, "bench": bench_summary}
+    return {"line": line, "offline_alpha": alpha, "bench": benched["summary"]}
 
 
 def write_run_report(run: Run, summary: dict[str, Any]) -> None:

@@ -59,6 +59,7 @@ from spectune.train.eagle3_head import (
 LAYER_INPUT_MODEL_TYPES = ("llama", "mistral", "qwen3", "qwen3_moe", "qwen2", "gemma3_text", "gemma3")
 STEP_WEIGHT = 0.8  # the loss of unrolled step i weighs STEP_WEIGHT**i: later steps matter only if earlier ones hit
 REPORT = "eagle3.json"
+NOT_A_LABEL, OUTSIDE_VOCABULARY = -1, -2  # Batch.labels where no token is predicted / the target's is not draftable
 EAGLE3 = "eagle3"  # the head's name among a run's drafts
 
 
@@ -102,6 +103,7 @@ class Eagle3Result(BaseModel):
     aux_layers: list[int]
     draft_vocab_size: int
     coverage: float  # share of the trained labels the draft vocabulary holds
+    held_out_coverage: float  # of the held-out ones: those outside are misses in the accuracies below
     parameters: int  # the head's own (the borrowed embedding excluded)
     steps: int
     train_dialogues: int
@@ -188,8 +190,9 @@ class Batch:
         for step in range(steps):
             # row P of step i predicts the token after P + i + 1: the target's argmax there, if an assistant token
             label = to_draft[shifted(argmax, step + 1)]
-            keep = shifted(trained, step + 2).bool() & (label >= 0)
-            self.labels.append(torch.where(keep, label, torch.full_like(label, -1)))
+            assistant = shifted(trained, step + 2).bool()
+            outside = torch.full_like(label, OUTSIDE_VOCABULARY)
+            self.labels.append(torch.where(assistant, torch.where(label >= 0, label, outside), NOT_A_LABEL))
 
 
 def step_losses(head: Any, batch: Batch) -> tuple[Any, list[tuple[int, int]]]:
@@ -204,7 +207,8 @@ def step_losses(head: Any, batch: Batch) -> tuple[Any, list[tuple[int, int]]]:
         logits = head.lm_head(head.norm(output[keep]))
         if keep.any():
             total = total + STEP_WEIGHT**step * F.cross_entropy(logits, labels[keep])
-        counts.append((int((logits.argmax(-1) == labels[keep]).sum()), int(keep.sum())))
+        # a label outside the draft vocabulary is a miss the head cannot avoid, as in llama.cpp's loop
+        counts.append((int((logits.argmax(-1) == labels[keep]).sum()), int((labels != NOT_A_LABEL).sum())))
     return total, counts
 
 
@@ -363,12 +367,14 @@ def train_eagle3(config: Eagle3Config) -> Eagle3Result:
     seconds = time.perf_counter() - started
     save_head(head, shape, tokenizer, config.out / "model")
     all_labels = torch.cat(labels)
+    held_out_labels = torch.cat([batch.labels[0][batch.labels[0] != NOT_A_LABEL] for batch in held_out])
     peak, how = peak_memory_bytes()
     result = Eagle3Result(
         model=config.out / "model",
         aux_layers=layers,
         draft_vocab_size=len(d2t),
         coverage=round(float((to_draft[all_labels] >= 0).float().mean()), 4) if len(all_labels) else 0.0,
+        held_out_coverage=round(float((held_out_labels >= 0).float().mean()), 4) if len(held_out_labels) else 0.0,
         parameters=sum(p.numel() for p in head.parameters()),
         steps=steps,
         train_dialogues=len(train_items),
