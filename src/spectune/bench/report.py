@@ -109,7 +109,8 @@ def latency_lines(summaries: dict[str, BenchSummary], settings: dict[str, Any]) 
 
 def ngram_lines(summaries: dict[str, BenchSummary]) -> list[str]:
     """What n-gram lookup did in each variant that used it: how often it proposed, how much the target kept."""
-    looked_up = {name: s.lookups[NGRAM] for name, s in summaries.items() if s.lookups[NGRAM].drafted}
+    looked_up = {name: s.lookups[NGRAM] for name, s in summaries.items() if NGRAM in s.lookups}
+    looked_up = {name: lookup for name, lookup in looked_up.items() if lookup.drafted}
     if not looked_up:
         return []
     lines = [
