@@ -32,7 +32,7 @@ def main() -> None:
         **LEAN_SWITCHES,
     }
     args = command_line(__doc__, switches)
-    # an EAGLE-3 head runs only in llama.cpp's loop, which benchmarks/eagle3.py measures: this bench has no use for it
+    # this bench compares draft models; a head's bench is benchmarks/eagle3.py (llama.cpp's loop) or the run's own
     overrides: dict[str, dict[str, Any]] = {"drafts": {"eagle3": None}}
     if args.peer:
         overrides["bench"] = {"peer": True}

@@ -9,11 +9,14 @@ from pathlib import Path
 
 import httpx
 import pytest
+from conftest import running
 from test_serve import engine_answer
 
 from spectune.acceptance.meter import simulate_tau
 from spectune.acceptance.stage import AcceptanceConfig, load_models, run_acceptance
+from spectune.bench.config import BenchConfig
 from spectune.bench.llama_cpp_loop import llama_baseline, run_peer
+from spectune.bench.run import bench
 from spectune.data.prepare import read_prompts
 from spectune.engines.handoff import HandoffConfig, hand_off
 from spectune.engines.llama_cpp import SERVER, SPECULATIVE_TOOL, build_llama_cpp
@@ -21,7 +24,12 @@ from spectune.engines.llama_server import free_port, speculation_flags
 from spectune.errors import SpectuneError
 from spectune.export.gguf import export_model
 from spectune.export.pair import ExportPairConfig, export_pair
+from spectune.runtime.chat import chat_tokens
+from spectune.runtime.decode import DecodeSettings
 from spectune.runtime.llama import LlamaModel, is_eagle3_gguf
+from spectune.runtime.ngram import NgramSettings
+from spectune.runtime.registry import Variant
+from spectune.runtime.speculative import SpeculativeDecoder
 from spectune.serve.config import ServeConfig
 from spectune.serve.engine import start_llama_server
 from spectune.train.common import greedy_answer
@@ -141,6 +149,23 @@ def heads_in_llama_cpp_accept_what_the_meter_says(
     return accepted
 
 
+def our_loop_accepts(target_gguf: Path, head_gguf: Path, demo_data: Path) -> int:
+    """spectune's loop with the head gives the target alone's answers; the drafted tokens it accepted, counted as
+    llama.cpp counts them."""
+    target = LlamaModel(target_gguf, n_ctx=1024, threads=1)
+    head = LlamaModel(head_gguf, n_ctx=1024, threads=1, beside=target)
+    ours = SpeculativeDecoder(target, Variant(draft="eagle3").speculators(target, head, {}))
+    alone = SpeculativeDecoder(LlamaModel(target_gguf, n_ctx=1024, threads=1))
+    accepted = 0
+    for prompt in read_prompts(demo_data)[-PROMPTS:]:
+        tokens = chat_tokens(target, prompt.messages)
+        generation = ours.generate(tokens, DecodeSettings(max_tokens=MAX_TOKENS, draft_max=4))
+        assert generation.tokens == alone.generate(tokens, DecodeSettings(max_tokens=MAX_TOKENS)).tokens
+        accepted += generation.stats.accepted_as_llama_cpp
+        ours.forget()
+    return accepted
+
+
 def test_the_head_drafts_in_llama_cpp_with_the_target_alones_answers_accepting_what_the_meter_says(
     head, tuned_target, demo_data, tmp_path
 ):
@@ -151,9 +176,22 @@ def test_the_head_drafts_in_llama_cpp_with_the_target_alones_answers_accepting_w
     target_gguf = export_model(tuned_target, tmp_path / "target.gguf", "F32")
     head_gguf = export_model(head, tmp_path / "head.gguf", "F32", target_model_dir=tuned_target)
     assert is_eagle3_gguf(head_gguf) and not is_eagle3_gguf(target_gguf)
-    with pytest.raises(SpectuneError, match="EAGLE-3 head"):
-        LlamaModel(head_gguf)  # spectune's own loop cannot feed it
-    assert heads_in_llama_cpp_accept_what_the_meter_says(tuned_target, head, target_gguf, head_gguf, demo_data) > 0
+    with pytest.raises(SpectuneError, match="beside its target"):
+        LlamaModel(head_gguf)  # it borrows the target's embeddings and reads its layer inputs
+    in_llama_cpp = heads_in_llama_cpp_accept_what_the_meter_says(tuned_target, head, target_gguf, head_gguf, demo_data)
+    assert in_llama_cpp > 0
+    # the same steps as llama.cpp's but the last, where ours drafts no further than the token limit (up to k less)
+    ours = our_loop_accepts(target_gguf, head_gguf, demo_data)
+    assert 0 < ours <= in_llama_cpp and ours >= in_llama_cpp - 4 * PROMPTS
+    # spectune's bench takes it as any draft, alone and behind n-gram lookup: its c measured beside the target
+    config = BenchConfig(
+        target=target_gguf, drafts={"eagle3": head_gguf}, data=demo_data, out=tmp_path / "bench", n=2, repeats=1,
+        max_tokens=16, draft_max=2, threads=1, plot=False, ngram=NgramSettings(),
+    )  # fmt: skip
+    summaries = bench(config)["summary"]
+    for variant in ("eagle3", "ngram+eagle3"):
+        assert summaries[variant]["identical"] == 2 and summaries[variant]["cost_ratio"] > 0
+    assert summaries["eagle3"]["acceptance"] > 0
     report = run_acceptance(
         AcceptanceConfig(target=tuned_target, drafts={"eagle3": head}, data=demo_data, n=PROMPTS, max_tokens=32)
     )
@@ -161,9 +199,12 @@ def test_the_head_drafts_in_llama_cpp_with_the_target_alones_answers_accepting_w
     assert row["name"] == "eagle3" and row["alpha"] > 0.2 and row["tau_simulated"]["4"] > 1.1
 
 
-def test_a_run_serving_its_head_hands_it_to_llama_server_only(head, tuned_target, demo_data, messages, tmp_path):
-    """export_pair exports the head beside the target; a pair that names it runs llama-server with draft-eagle3,
-    which answers as the target alone; spectune's own server and the vLLM hand-off refuse it, saying why."""
+def test_a_run_serving_its_head_serves_it_in_spectune_and_in_llama_server(
+    head, tuned_target, demo_data, messages, tmp_path
+):
+    """export_pair exports the head beside the target; spectune's own server drafts with it and answers as the target
+    alone; a pair that names it runs llama-server with draft-eagle3, which does the same; the vLLM hand-off refuses
+    it, saying why."""
     from openai import OpenAI
 
     gguf = tmp_path / "run" / "gguf"
@@ -172,8 +213,15 @@ def test_a_run_serving_its_head_hands_it_to_llama_server_only(head, tuned_target
     report = export_pair(config)
     assert report["models"]["eagle3"]["eagle3"] and report["chosen"]["eagle3"]
     assert "--spec-type draft-eagle3" in (gguf / "llama-server.sh").read_text()
-    with pytest.raises(ValueError, match="EAGLE-3 head"):
-        ServeConfig(run=tmp_path / "run")
+    target = gguf / report["chosen"]["target"]
+    ours = ServeConfig(run=tmp_path / "run", mode="speculative", n_ctx=512, threads=1)
+    with running(ours) as url:
+        client = OpenAI(base_url=f"{url}/v1", api_key="unused")
+        reply = client.chat.completions.create(model="spectune", messages=messages, max_tokens=24, temperature=0)
+        metrics = httpx.get(f"{url}/metrics").text
+    assert reply.choices[0].message.content == engine_answer((target, None), messages, 24)
+    drafted = re.search(r"^spectune_acceptance_rate (\S+)$", metrics, re.M)
+    assert drafted is not None and float(drafted.group(1)) > 0  # the head drafted, and the target kept some
     with pytest.raises(SpectuneError, match="EAGLE-3 head"):
         hand_off(HandoffConfig(run=tmp_path / "run", engine="vllm"))
     served = ServeConfig(
@@ -184,7 +232,6 @@ def test_a_run_serving_its_head_hands_it_to_llama_server_only(head, tuned_target
         client = OpenAI(base_url=f"{server.url}/v1", api_key="unused")
         reply = client.chat.completions.create(model="spectune", messages=messages, max_tokens=24, temperature=0)
         metrics = httpx.get(f"{server.url}/metrics").text
-    target = gguf / report["chosen"]["target"]
     assert reply.choices[0].message.content == engine_answer((target, None), messages, 24)
     assert "loading draft model" in (tmp_path / "server.log").read_text()
     drafted = re.search(r"^llamacpp:spec_decode_num_draft_tokens_total (\S+)$", metrics, re.M)

@@ -354,7 +354,7 @@ def test_the_ngram_domain_table_reads_seqkds_target_answers_where_there_are_some
     assert all(answers not in table[name].reads(Context(plain, plain.layout, {})) for name in ("acceptance", "bench"))
 
 
-def test_an_eagle3_head_trains_after_seqkd_on_its_answers_and_is_exported_and_measured_not_benched(tmp_path):
+def test_an_eagle3_head_trains_after_seqkd_on_its_answers_and_is_exported_and_measured(tmp_path):
     values = {"run_dir": str(tmp_path), "drafts": {"methods": ["sft", "seqkd"], "eagle3": {"max_steps": 5}}}
     config = validate(RunConfig, values, "test")
     table = {stage.name: stage for stage in stages(config)}

@@ -5,9 +5,14 @@ from __future__ import annotations
 
 import hashlib
 import os
+import shutil
+import subprocess
 from pathlib import Path
 
 from platformdirs import user_cache_dir
+
+from spectune.atomic import atomic_path
+from spectune.errors import SpectuneError
 
 
 def cache_root() -> Path:
@@ -27,3 +32,21 @@ def path_hash(path: Path) -> str:
             for block in iter(lambda handle=handle: handle.read(1 << 20), b""):
                 digest.update(block)
     return digest.hexdigest()[:16]
+
+
+def compiled_library(source: Path, compiler: str, flags: list[str], salt: str = "", hint: str = "") -> Path:
+    """`source` compiled once into a shared library in the cache, named by its content and `salt` (what else it is
+    built for, e.g. the library it links against), so an edit rebuilds it. `hint`: said where compiling fails."""
+    digest = hashlib.sha256(source.read_bytes() + salt.encode()).hexdigest()[:12]
+    library = cache_root() / "llama.cpp-bin" / f"{source.stem}-{digest}.so"
+    if library.is_file():
+        return library
+    found = shutil.which(compiler)
+    if found is None:
+        raise SpectuneError(f"no compiler ({compiler}) to build {source.name}: apt install gcc g++")
+    with atomic_path(library) as tmp:
+        command = [found, "-shared", "-fPIC", "-O2", "-o", str(tmp), str(source), *flags]
+        result = subprocess.run(command, capture_output=True, text=True)
+        if result.returncode != 0:
+            raise SpectuneError(f"compiling {source.name} failed{hint}:\n{result.stderr[-1500:]}")
+    return library

@@ -155,7 +155,7 @@ def run_acceptance(config: AcceptanceConfig) -> dict[str, Any]:
     prompts = read_prompts(config.data)[: config.n]
     target_model, draft_models, heads, tokenizer = load_models(config.target, config.drafts)
     gpu = gpu_profiles(config, target_model, draft_models | heads)
-    # a measured profile is the draft model's c here: no head has one (llama.cpp's eagle3 runs only as a pair)
+    # a measured profile (--profile) is a draft model's c here; a head's step costs far less (bench measures it)
     profiles = {name: [*measured, *gpu[name]] for name in draft_models} | {name: gpu[name] for name in heads}
     ngram = None
     if config.ngram is not None:

@@ -14,6 +14,7 @@ import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, TypeVar
 
 from rich.console import Console
@@ -34,7 +35,7 @@ from spectune.runtime.build import identity_verdict
 from spectune.runtime.chat import CLAUSE_END, chat_prompt
 from spectune.runtime.decode import DecodeSettings
 from spectune.runtime.first_words import FirstWords
-from spectune.runtime.llama import LlamaModel
+from spectune.runtime.llama import LlamaModel, is_eagle3_gguf
 from spectune.runtime.ngram import NGRAM, NgramSettings, NgramSetup, domain_of_texts
 from spectune.runtime.profile import measure_profile
 from spectune.runtime.speculative import Generation, SpeculativeDecoder
@@ -46,22 +47,28 @@ Key = TypeVar("Key")
 
 def load_decoders(config: BenchConfig) -> tuple[LlamaModel, dict[str, SpeculativeDecoder]]:
     """The target alone, then the target with each draft and n-gram variant (one context per model, shared: a
-    cache holds what it holds by content, whichever decoder filled it)."""
+    cache holds what it holds by content, whichever decoder filled it; an EAGLE-3 head's holds its own drafted
+    pairs too, so each variant gets its own head)."""
     target = LlamaModel(config.target, n_ctx=config.n_ctx, threads=config.threads, exact=config.exact)
     decoders = {TARGET: SpeculativeDecoder(target)}
     if config.exact:  # what serving would run where no draft pays (bench/serving.py)
         fastest = LlamaModel(config.target, n_ctx=config.n_ctx, threads=config.threads, exact=False)
         decoders[FASTEST] = SpeculativeDecoder(fastest)
-    models = {
-        name: LlamaModel(path, n_ctx=config.n_ctx, threads=config.threads, exact=config.exact)
-        for name, path in config.drafts.items()
-    }
+
+    def load(path: Path) -> LlamaModel:
+        return LlamaModel(path, n_ctx=config.n_ctx, threads=config.threads, exact=config.exact, beside=target)
+
+    models = {name: load(path) for name, path in config.drafts.items()}
+    heads_taken: set[Path] = set()
     setups: dict[str, NgramSetup] = {}
     if config.ngram:  # the domain table is built once and read by every n-gram variant
         answers = assistant_turns(config.ngram_data) if config.ngram_data else []
         setups[NGRAM] = NgramSetup(config.ngram, domain_of_texts(config.ngram, answers, target.tokenize))
     for name, variant in config.variants().items():
         draft = models[variant.draft] if variant.draft else None
+        if draft is not None and draft.is_head:
+            draft = load(draft.path) if draft.path in heads_taken else draft
+            heads_taken.add(draft.path)
         decoders[name] = SpeculativeDecoder(target, variant.speculators(target, draft, setups))
     return target, decoders
 
@@ -321,10 +328,11 @@ def peer_runner(config: BenchConfig, target: LlamaModel) -> Callable[[str, str],
         raise SpectuneError("--peer llama.cpp compares a fixed draft length: drop --draft-p-min / --adaptive")
 
     def run(name: str, text: str) -> PeerRun:
+        draft = config.draft_path(name)
         return run_peer(
             binary,
             config.target,
-            config.draft_path(name),
+            draft,
             without_bos(target, text),
             draft_length(config, name),
             config.max_tokens,
@@ -332,6 +340,7 @@ def peer_runner(config: BenchConfig, target: LlamaModel) -> Callable[[str, str],
             config.n_ctx,
             config.exact,
             lookups=config.variants()[name].lookups,
+            eagle3=draft is not None and is_eagle3_gguf(draft),
             ngram_type=config.peer_ngram,
             ngram_n=config.ngram.min_n if config.ngram else NgramSettings().min_n,
         )

@@ -93,13 +93,6 @@ def print_story(summary: dict[str, Any], layout: RunLayout) -> None:
     console.print()
     console.print(table)
     chosen = ChosenPair.read(layout.chosen_pair)
-    if chosen.eagle3:
-        console.print(
-            f"\nThe pair serves an EAGLE-3 head at k = {chosen.k}: llama.cpp runs it, spectune's own loop cannot. "
-            f"Serve it: {layout.server_script}, or spectune serve --run {layout.root} --engine llama.cpp; measure "
-            f"it: python benchmarks/eagle3.py {layout.root}"
-        )
-        return
     best = summaries[chosen.draft_name]
     profile = best.profile  # every bench keeps the profile it measured
     console.print(

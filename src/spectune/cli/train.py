@@ -54,7 +54,7 @@ def draft(config: DraftConfig) -> None:
 
 @config_command(app, Eagle3Config)
 def eagle3(config: Eagle3Config) -> None:
-    """Train an EAGLE-3 head for the tuned target (llama.cpp runs it as --spec-type draft-eagle3); export it with
+    """Train an EAGLE-3 head for the tuned target (a draft for spectune's loop and llama.cpp's); export it with
     `spectune export --model HEAD --target-model-dir TARGET --out HEAD.gguf`."""
     result = train_eagle3(config)
     console.print(

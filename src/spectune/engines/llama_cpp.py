@@ -8,7 +8,6 @@ with an importance matrix from the run's own data (export/imatrix.py).
 
 from __future__ import annotations
 
-import hashlib
 import os
 import shutil
 import subprocess
@@ -16,7 +15,7 @@ import tarfile
 from pathlib import Path
 
 from spectune.atomic import atomic_path
-from spectune.cache import cache_root
+from spectune.cache import cache_root, compiled_library
 from spectune.errors import SpectuneError
 from spectune.llama_cpp_patch import PatchError, apply_patches
 from spectune.llama_cpp_pin import fetch_sdist, llama_cpp_version, patched_build
@@ -150,19 +149,7 @@ def cpu_has_amx(cpuinfo: Path = CPUINFO) -> bool:
 
 def refuse_amx_library() -> Path:
     """refuse_amx.c compiled once into the cache (named by its source's hash, so an edit rebuilds it)."""
-    source = REFUSE_AMX_SOURCE.read_bytes()
-    library = cache_root() / "llama.cpp-bin" / f"refuse_amx-{hashlib.sha256(source).hexdigest()[:12]}.so"
-    if library.is_file():
-        return library
-    compiler = shutil.which("cc")
-    if compiler is None:
-        raise SpectuneError("no C compiler (cc) to build refuse_amx.so: apt install gcc")
-    with atomic_path(library) as tmp:
-        command = [compiler, "-shared", "-fPIC", "-O2", "-o", str(tmp), str(REFUSE_AMX_SOURCE), "-ldl"]
-        result = subprocess.run(command, capture_output=True, text=True)
-        if result.returncode != 0:
-            raise SpectuneError(f"compiling {REFUSE_AMX_SOURCE.name} failed:\n{result.stderr[-1500:]}")
-    return library
+    return compiled_library(REFUSE_AMX_SOURCE, "cc", ["-ldl"])
 
 
 def defaults_env(cpuinfo: Path = CPUINFO) -> dict[str, str]:

@@ -86,8 +86,8 @@ class DraftsSettings(DraftSettings):
     eagle3: Eagle3Settings | None = Field(
         None,
         description="An EAGLE-3 head for the tuned target ({} for the defaults), trained on seqkd's target answers "
-        "(else the train dialogues); exported and measured by acceptance as `eagle3`; llama.cpp runs it "
-        "(benchmarks/eagle3.py, serve --engine llama.cpp). Needs a target llama.cpp takes layer inputs from.",
+        "(else the train dialogues); exported, measured by acceptance and benched as `eagle3`; spectune's loop "
+        "and llama.cpp's run it. Needs a target llama.cpp takes layer inputs from.",
     )
 
     @model_validator(mode="after")

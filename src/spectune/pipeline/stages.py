@@ -221,8 +221,7 @@ def bench_stage(context: Context) -> dict[str, Any]:
     layout = context.layout
     config = BenchConfig(
         target=layout.gguf(TARGET),
-        # an EAGLE-3 head runs only in llama.cpp's own loop: benchmarks/eagle3.py measures it
-        drafts={name: served_gguf(context, name) for name in context.drafts() if name != EAGLE3},
+        drafts={name: served_gguf(context, name) for name in context.drafts()},
         data=layout.eval_file,
         out=layout.bench_dir,
         recommended_k={row["name"]: row["recommended_k"] for row in context.outputs["acceptance"]["drafts"]},

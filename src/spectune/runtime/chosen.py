@@ -28,7 +28,7 @@ class ChosenPair(BaseModel):
     k: int = Field(ge=0, description="Its k: the acceptance stage's recommended k, else the default.")
     ngram: NgramSettings | None = Field(None, description="n-gram lookup's settings where it goes in front.")
     ngram_data: Path | None = Field(None, description="The answers that fill n-gram lookup's domain table.")
-    eagle3: bool = Field(False, description="The draft is an EAGLE-3 head (llama.cpp runs it).")
+    eagle3: bool = Field(False, description="The draft is an EAGLE-3 head (it runs beside the target).")
     target_hf: Path | None = Field(None, description="The HF folder of the target (vLLM's, SGLang's input).")
     draft_hf: Path | None = Field(None, description="The HF folder of the draft.")
 

@@ -26,6 +26,7 @@ import numpy as np
 
 from spectune.errors import SpectuneError
 from spectune.runtime.build import build_features, read_gguf
+from spectune.runtime.layer_inputs import shim
 from spectune.threads import DEFAULT_N_CTX, thread_count
 
 _backend_ready = False
@@ -83,18 +84,18 @@ class LlamaModel:
         threads: int | None = None,
         exact: bool = True,
         n_batch: int = 512,
+        beside: LlamaModel | None = None,
     ) -> None:
+        """`beside`: the target an EAGLE-3 head runs beside (it borrows the target's token embeddings and reads
+        its layer inputs: runtime/eagle3_head.py); ignored for any other GGUF."""
         import llama_cpp
 
         self.path = Path(path)
         if not self.path.is_file():
             raise SpectuneError(f"{self.path}: no such GGUF file")
-        if is_eagle3_gguf(self.path):
-            raise SpectuneError(
-                f"{self.path} is an EAGLE-3 head: llama.cpp runs it only beside its target (--spec-type draft-eagle3: "
-                "spectune serve --engine llama.cpp, benchmarks/eagle3.py). spectune's own loop cannot hand it the "
-                "target's layer inputs: llama-cpp-python binds no layer-input API (llama.cpp's own is internal)."
-            )
+        self.is_head = is_eagle3_gguf(self.path)
+        if self.is_head and beside is None:
+            raise SpectuneError(f"{self.path} is an EAGLE-3 head: it runs only beside its target, as its draft")
         init_backend()
         self.lib = llama_cpp
         self.exact = exact
@@ -109,18 +110,17 @@ class LlamaModel:
         self.eos = llama_cpp.llama_vocab_eos(self.vocab)
         self.adds_bos = bool(llama_cpp.llama_vocab_get_add_bos(self.vocab))  # what llama.cpp's tools do to a prompt
         self.threads = thread_count(threads)
-        context_params = llama_cpp.llama_context_default_params()
-        context_params.n_ctx = n_ctx
-        context_params.n_batch = n_batch
-        context_params.n_ubatch = n_batch
-        # Both set explicitly: the default batch thread count stalled ~0.5 s per batch on 2 cores.
-        context_params.n_threads = self.threads
-        context_params.n_threads_batch = self.threads
-        if exact:
-            context_params.flash_attn_type = llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED
+        context_params = self._context_params(n_ctx, n_batch, exact)
+        if self.is_head and beside is not None:
+            context_params.ctx_other = beside.ctx
         self.ctx = llama_cpp.llama_init_from_model(self.model, context_params)
         if not self.ctx:
             raise SpectuneError(f"{self.path}: llama.cpp could not create a context of {n_ctx} tokens")
+        if self.is_head:
+            shim().spectune_keep_hidden_state(self.ctx)
+        self.n_embd = llama_cpp.llama_model_n_embd(self.model)
+        self.kept_layers: list[int] = []  # layers whose inputs every decode keeps (an EAGLE-3 head's target)
+        self.layer_inputs = np.zeros((0, 0), dtype=np.float32)  # [position, kept layer x n_embd]
         self.n_ctx = llama_cpp.llama_n_ctx(self.ctx)
         # llama.cpp clamps the batch to the context: chunk by what it really took.
         self.n_batch = min(llama_cpp.llama_n_batch(self.ctx), llama_cpp.llama_n_ubatch(self.ctx))
@@ -133,6 +133,15 @@ class LlamaModel:
         self.busy = self._handles.lock  # held by whoever decodes and reads logits (a generation holds it throughout)
         self._finalizer = weakref.finalize(self, self._handles.free)
 
+    def _context_params(self, n_ctx: int, n_batch: int, exact: bool):
+        params = self.lib.llama_context_default_params()
+        params.n_ctx, params.n_batch, params.n_ubatch = n_ctx, n_batch, n_batch
+        # Both set explicitly: the default batch thread count stalled ~0.5 s per batch on 2 cores.
+        params.n_threads = params.n_threads_batch = self.threads
+        if exact:
+            params.flash_attn_type = self.lib.LLAMA_FLASH_ATTN_TYPE_DISABLED
+        return params
+
     def close(self) -> None:
         self._finalizer()
 
@@ -144,6 +153,27 @@ class LlamaModel:
         buffer = ctypes.create_string_buffer(length + 1)
         self.lib.llama_model_meta_val_str(self.model, key.encode(), buffer, len(buffer))
         return buffer.value.decode("utf-8")
+
+    def keep_layer_inputs(self, layers: list[int]) -> None:
+        """From now on, keep the inputs of these layers at every decoded position (what an EAGLE-3 head reads). The
+        cache is forgotten, so that every cached position has them."""
+        n_layer = self.lib.llama_model_n_layer(self.model)
+        outside = [layer for layer in layers if not 0 <= layer < n_layer]
+        if outside:
+            raise SpectuneError(f"{self.path}: layers {outside} asked for, the model has {n_layer} (0-{n_layer - 1})")
+        for layer in layers:
+            shim().spectune_keep_layer_input(self.ctx, layer)
+        self.kept_layers = list(layers)
+        self.layer_inputs = np.zeros((self.n_ctx, len(layers) * self.n_embd), dtype=np.float32)
+        self.truncate(0)
+
+    def _copy_layer_inputs(self, start: int, count: int) -> None:
+        for index, layer in enumerate(self.kept_layers):
+            pointer = shim().spectune_layer_input(self.ctx, layer)
+            if not pointer:
+                raise SpectuneError(f"{self.path}: llama.cpp kept no input of layer {layer} (an unpatched build?)")
+            rows = np.ctypeslib.as_array(pointer, shape=(count, self.n_embd))
+            self.layer_inputs[start : start + count, index * self.n_embd : (index + 1) * self.n_embd] = rows
 
     def tokenize(self, text: str, special: bool = True) -> list[int]:
         """Tokens of `text`; `special` parses control tokens such as <|im_start|> (as HF does)."""
@@ -205,6 +235,8 @@ class LlamaModel:
             status = self.lib.llama_decode(self.ctx, batch)
             if status != 0:
                 raise SpectuneError(f"llama_decode failed (status {status}) at position {start + offset}")
+            if self.kept_layers:
+                self._copy_layer_inputs(start + offset, len(chunk))
             if all_logits or last_chunk:  # all_logits: this batch's outputs, contiguous in the order asked
                 if all_logits:
                     pointer = self.lib.llama_get_logits(self.ctx)
@@ -271,6 +303,7 @@ def read_vocab(path: str | Path) -> VocabInfo:
 
 
 def is_eagle3_gguf(path: str | Path) -> bool:
-    """Whether a GGUF is an EAGLE-3 head (llama.cpp runs it only beside its target, as `--spec-type draft-eagle3`)."""
+    """Whether a GGUF is an EAGLE-3 head (it runs only beside its target: runtime/eagle3_head.py, or llama.cpp's
+    `--spec-type draft-eagle3`)."""
     field = read_gguf(path).fields.get("general.architecture")
     return field is not None and bytes(field.parts[field.data[0]]).decode() == "eagle3"

@@ -89,7 +89,9 @@ class DecoderSource:
         if mode == "fastest":
             return SpeculativeDecoder(LlamaModel(self.target, n_ctx=self.n_ctx, threads=self.threads, exact=False))
         target = LlamaModel(self.target, n_ctx=self.n_ctx, threads=self.threads, exact=self.exact)
-        draft = LlamaModel(self.draft, n_ctx=self.n_ctx, threads=self.threads, exact=self.exact) if self.draft else None
+        draft = None
+        if self.draft:  # an EAGLE-3 head runs beside its target; any other draft ignores `beside`
+            draft = LlamaModel(self.draft, n_ctx=self.n_ctx, threads=self.threads, exact=self.exact, beside=target)
         variant = Variant(self.lookups, DRAFT if draft else None)
         return SpeculativeDecoder(target, variant.speculators(target, draft, self.setups))
 

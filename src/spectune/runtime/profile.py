@@ -20,7 +20,9 @@ from typing import Any
 from gguf import GGUFReader
 
 from spectune.errors import SpectuneError
+from spectune.runtime.eagle3_head import Eagle3Head
 from spectune.runtime.llama import LlamaModel
+from spectune.runtime.sampling import GreedySampler
 from spectune.speedup import Weights
 
 CONTEXT = 64  # tokens already in the cache when a step is timed, like a short voice-bot prompt
@@ -66,17 +68,28 @@ def measure_profile(
     threads: int | None = None,
     exact: bool = True,
 ) -> dict[str, Any]:
-    """Median one-token times of both models and r(n) for n = 2..max_batch, measured interleaved."""
+    """Median one-token times of both models and r(n) for n = 2..max_batch, measured interleaved. An EAGLE-3 head's
+    token is its step beside the target: its encoder and decoder on one position."""
     n_ctx = CONTEXT + max_batch + 8
     target = LlamaModel(target_gguf, n_ctx=n_ctx, threads=threads, exact=exact)
-    draft = LlamaModel(draft_gguf, n_ctx=n_ctx, threads=threads, exact=exact)
+    draft = LlamaModel(draft_gguf, n_ctx=n_ctx, threads=threads, exact=exact, beside=target)
+    head = Eagle3Head(draft, target) if draft.is_head else None  # before the target decodes: it keeps layer inputs
     prompt = (target.tokenize(FILLER * 20))[: CONTEXT + max_batch]
-    for model in (target, draft):
+    for model in (target, draft) if head is None else (target,):
         model.decode(prompt[:CONTEXT], 0, all_logits=False)
         _timed_decode(model, prompt[CONTEXT:], max_batch)  # warm-up
+
+    def draft_token() -> float:
+        if head is None:
+            return _timed_decode(draft, prompt[CONTEXT:], 1)
+        start = time.perf_counter()
+        head.propose(prompt[: CONTEXT + 1], 1, GreedySampler(), 0.0)  # reads the last position again, drafts one
+        return time.perf_counter() - start
+
+    draft_token()  # warm-up
     samples: dict[str, list[float]] = {"draft": []} | {f"target_{n}": [] for n in range(1, max_batch + 1)}
     for _ in range(repeats):  # interleaved, so drifts in machine load hit every measurement alike
-        samples["draft"].append(_timed_decode(draft, prompt[CONTEXT:], 1))
+        samples["draft"].append(draft_token())
         for n in range(1, max_batch + 1):
             samples[f"target_{n}"].append(_timed_decode(target, prompt[CONTEXT:], n))
     median = {key: statistics.median(values) for key, values in samples.items()}

@@ -16,6 +16,7 @@ from pydantic import Field, field_validator
 from spectune.config import Settings
 from spectune.errors import SpectuneError
 from spectune.runtime.draft_model import DraftModel
+from spectune.runtime.eagle3_head import Eagle3Head
 from spectune.runtime.llama import LlamaModel
 from spectune.runtime.ngram import NGRAM, NgramSettings, NgramSetup, NgramSpeculator
 from spectune.runtime.speculators import Speculator
@@ -101,4 +102,6 @@ class Variant:
         if (self.draft is None) != (draft_model is None):
             raise SpectuneError(f"variant {self.name}: a draft model is needed exactly where the variant names one")
         members = [SPECULATORS[name](target, setups.get(name)) for name in self.lookups]
-        return members + ([DraftModel(draft_model, target)] if draft_model is not None else [])
+        if draft_model is None:
+            return members
+        return [*members, Eagle3Head(draft_model, target) if draft_model.is_head else DraftModel(draft_model, target)]

@@ -11,7 +11,6 @@ from spectune.layout import RunLayout
 from spectune.runtime.chosen import ChosenPair
 from spectune.runtime.decode import DecodeSettings
 from spectune.runtime.first_words import FirstWords
-from spectune.runtime.llama import is_eagle3_gguf
 from spectune.runtime.mode import ModeSettings
 from spectune.runtime.ngram import NgramSettings
 from spectune.runtime.registry import SpeculatorSettings
@@ -107,10 +106,5 @@ class ServeConfig(DecodeSettings, ModeSettings, LlamaSettings, SpeculatorSetting
             raise ValueError("give --target (and --draft), or --run RUN_DIR")
         if self.ngram_data is not None and self.ngram is None:
             raise ValueError("--ngram-data fills n-gram lookup's domain table: give --ngram too (e.g. --ngram on)")
-        if self.engine == "spectune" and self.draft is not None and self.draft.is_file() and is_eagle3_gguf(self.draft):
-            raise ValueError(
-                f"{self.draft} is an EAGLE-3 head: serve it with --engine llama.cpp (spectune's own loop cannot hand "
-                "it the target's layer inputs)"
-            )
         self.draft_max = self.with_k(recommended_k).k  # auto: the run's measured k, else the default
         return self
