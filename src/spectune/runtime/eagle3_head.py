@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import ctypes
 import time
+import weakref
 
 import numpy as np
 
@@ -53,6 +54,7 @@ class Eagle3Head:
         target.keep_layer_inputs([layers[i] for i in range(count)])
         self.model, self.target, self.library = model, target, library
         self.batch = model.lib.llama_batch_ext_init(model.ctx)
+        weakref.finalize(self, model.lib.llama_batch_ext_free, self.batch)  # the batch owns only its own buffers
         self.tokens: list[int] = []  # the conversation the head's kept pairs rest on
         self.kept = 0  # positions 0..kept-1 of the head's cache hold the target's own pairs
         self.state = np.zeros(model.n_embd, dtype=np.float32)  # the head's hidden state of its last decoded pair
