@@ -5,7 +5,7 @@ through layer_inputs.cpp), fuses them into one state g per position (the head's 
 reads at position P the pair (token P+1, g P), as llama.cpp's common/speculative.cpp feeds it. So when the target
 has decoded every token but the last, the head can catch up to the last pair and guess the next token; each further
 guess reads (the guess, the head's own state of the step before). Those guessed pairs are not the target's, so the
-next proposal rolls the head back to the pairs the target's states gave it (`self.kept`).
+next proposal rolls the head back to the pairs the target's states gave it (`self.tokens`).
 
 The head borrows the target's token embeddings (and its output matrix where it has none of its own) through the
 context it was loaded beside; its logits span the target's vocabulary (llama.cpp maps the head's own to it).
@@ -22,7 +22,7 @@ import numpy as np
 from spectune.errors import SpectuneError
 from spectune.runtime.draft_model import DRAFT, draft_chain
 from spectune.runtime.layer_inputs import shim
-from spectune.runtime.llama import LlamaModel
+from spectune.runtime.llama import LlamaModel, common_prefix
 from spectune.runtime.sampling import Sampler
 from spectune.runtime.speculators import Proposal
 
@@ -55,8 +55,8 @@ class Eagle3Head:
         self.model, self.target, self.library = model, target, library
         self.batch = model.lib.llama_batch_ext_init(model.ctx)
         weakref.finalize(self, model.lib.llama_batch_ext_free, self.batch)  # the batch owns only its own buffers
-        self.tokens: list[int] = []  # the conversation the head's kept pairs rest on
-        self.kept = 0  # positions 0..kept-1 of the head's cache hold the target's own pairs
+        # the conversation the head's kept pairs rest on: its positions 0..len-2 hold the target's own pairs
+        self.tokens: list[int] = []
         self.state = np.zeros(model.n_embd, dtype=np.float32)  # the head's hidden state of its last decoded pair
 
     def behind(self, sequence: list[int]) -> int:
@@ -65,11 +65,7 @@ class Eagle3Head:
     def _reusable(self, sequence: list[int]) -> int:
         """Kept pairs still true of `sequence`: pair P rests on its tokens 0..P+1. The last pair is always read
         again, for its output."""
-        length = min(len(self.tokens), len(sequence))
-        common = length  # the usual case, compared in C: the step loop calls this
-        if self.tokens[:length] != sequence[:length]:
-            common = next(i for i, (have, want) in enumerate(zip(self.tokens, sequence, strict=False)) if have != want)
-        return max(0, min(self.kept, common - 1, len(sequence) - 2))
+        return max(0, min(common_prefix(self.tokens, sequence), len(sequence) - 1) - 1)
 
     def propose(self, sequence: list[int], k: int, sampler: Sampler, p_min: float) -> Proposal:
         """Up to k tokens after `sequence`, whose tokens but the last the target has decoded."""
@@ -81,7 +77,7 @@ class Eagle3Head:
         self.model.truncate(reused)
         states = self._encode(self.target.layer_inputs[reused : last + 1])
         logits = self._decode(sequence[reused + 1 : last + 2], states, reused)
-        self.tokens, self.kept = sequence[:], last + 1
+        self.tokens = sequence[:]
         proposal = Proposal(source=DRAFT, caught_up=(last + 1 - reused, time.perf_counter() - start))
 
         def next_logits(token: int) -> np.ndarray:  # the pair (the guess, the head's state of the step before)
@@ -94,7 +90,7 @@ class Eagle3Head:
 
     def forget(self) -> None:
         self.model.truncate(0)
-        self.tokens, self.kept = [], 0
+        self.tokens = []
 
     def _encode(self, features: np.ndarray) -> np.ndarray:
         """The fused state g of each position's target features, rows in order."""

@@ -255,10 +255,15 @@ class LlamaModel:
 
     def reusable_prefix(self, tokens: list[int]) -> int:
         """How many leading `tokens` the cache already holds (a new turn of a conversation reuses them)."""
-        length = min(len(self.cached), len(tokens))
-        if self.cached[:length] == tokens[:length]:  # the usual case, compared in C: the step loop calls this
-            return length
-        return next(i for i, (have, want) in enumerate(zip(self.cached, tokens, strict=False)) if have != want)
+        return common_prefix(self.cached, tokens)
+
+
+def common_prefix(have: list[int], want: list[int]) -> int:
+    """How many leading tokens the two lists share."""
+    length = min(len(have), len(want))
+    if have[:length] == want[:length]:  # the usual case, compared in C: the step loop calls this
+        return length
+    return next(i for i, (mine, theirs) in enumerate(zip(have, want, strict=False)) if mine != theirs)
 
 
 @dataclass
