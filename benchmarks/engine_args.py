@@ -6,8 +6,9 @@ and in a child process per engine parses the exact command from a hand-off's han
 parser: vLLM's `vllm serve` arguments (FlexibleArgumentParser) with its SpeculativeConfig fields and methods,
 SGLang's ServerArgs.add_cli_args. A misspelt flag, an unknown speculative key or method fails here.
 
-Usage: python benchmarks/engine_args.py RUN_DIR   (after `spectune export --for vllm RUN_DIR` and `--for sglang`)
-Writes benchmarks/results/engine_args.json. Needs PyPI (~400 MB of wheels, cached).
+Usage: python benchmarks/engine_args.py RUN_DIR [--name NAME]   (after `spectune export --for vllm RUN_DIR` and
+`--for sglang`; a run that serves an EAGLE-3 head is handed off with vLLM's "eagle3" method and SGLang's EAGLE3)
+Writes benchmarks/results/engine_args[_NAME].json. Needs PyPI (~400 MB of wheels, cached).
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ RESULTS = Path(__file__).parent / "results"
 # What each engine's argument parser imports, found by importing it (all installed without dependencies, so pip
 # never replaces this venv's torch or transformers).
 PARSER_MODULES = {
-    "vllm": "cbor2 openai-harmony cloudpickle cachetools uvloop py-cpuinfo partial-json-parser xgrammar "
+    "vllm": "einops cbor2 openai-harmony cloudpickle cachetools uvloop py-cpuinfo partial-json-parser xgrammar "
     "apache-tvm-ffi llguidance msgspec pyzmq psutil pybase64 orjson aiohttp multidict yarl propcache frozenlist "
     "aiosignal aiohappyeyeballs attrs idna",
     "sglang": "msgspec orjson pybase64 pyzmq triton ipython traitlets decorator matplotlib-inline jedi parso "
@@ -37,10 +38,12 @@ PARSER_MODULES = {
 }
 
 
+SGLANG_ALGORITHMS = ("STANDALONE", "EAGLE3")  # a draft model's, an EAGLE-3 head's
+
 # Beyond parsing: what the engine's own definitions say of the values.
 ACCEPTED = {
-    "vllm": lambda parsed: parsed["method_known"] and not parsed["unknown_speculative_keys"],
-    "sglang": lambda parsed: parsed["speculative_algorithm"] == "STANDALONE" and parsed["draft_tokens_rule"],
+    "vllm": lambda parsed: parsed["method_known"] and not parsed["unknown_speculative_keys"] and parsed["head_runs"],
+    "sglang": lambda parsed: parsed["speculative_algorithm"] in SGLANG_ALGORITHMS and parsed["draft_tokens_rule"],
 }
 
 
@@ -71,7 +74,23 @@ def parse_vllm(command: list[str]) -> dict:
         "speculative_config": speculative,
         "unknown_speculative_keys": sorted(set(speculative) - set(SpeculativeConfig.__dataclass_fields__)),
         "method_known": speculative.get("method") in methods,
-    }
+    } | vllm_head_classes(Path(args.model_tag), Path(speculative["model"]), speculative.get("method") == "eagle3")
+
+
+def vllm_head_classes(target: Path, head: Path, eagle3: bool) -> dict:
+    """For an EAGLE-3 head, the classes vLLM's own registry loads for the target and the head, and whether the
+    target implements SupportsEagle3 (captures its layers' inputs for a head): `head_runs`."""
+    if not eagle3:
+        return {"head_runs": True}
+    from vllm.model_executor.models.interfaces import supports_eagle3
+    from vllm.model_executor.models.registry import ModelRegistry
+
+    def model_class(folder: Path) -> type:
+        return ModelRegistry._try_load_model_cls(json.loads((folder / "config.json").read_text())["architectures"][0])
+
+    target_class, head_class = model_class(target), model_class(head)
+    runs = bool(target_class and head_class and supports_eagle3(target_class) and "Eagle3" in head_class.__name__)
+    return {"target_class": target_class.__name__, "head_class": head_class.__name__, "head_runs": runs}
 
 
 def parse_sglang(command: list[str]) -> dict:
@@ -113,6 +132,7 @@ def check(engine: str, handoff: Path) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("run", type=Path, nargs="?")
+    parser.add_argument("--name", help="suffix of the results file (engine_args_NAME.json)")
     parser.add_argument("--child", nargs=2, metavar=("ENGINE", "COMMAND"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -125,7 +145,8 @@ def main() -> None:
         print(f"{result['engine']}: {'accepted' if result['accepted'] else 'REFUSED'}")
         print(f"  {json.dumps(result['parsed']) if result['parsed'] else result['error']}")
     RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "engine_args.json").write_text(json.dumps(results, indent=2).replace(str(Path.home()), "~"))
+    out = RESULTS / f"engine_args{'_' + args.name if args.name else ''}.json"
+    out.write_text(json.dumps(results, indent=2).replace(str(Path.home()), "~"))
     if not all(result["accepted"] for result in results.values()):
         sys.exit(1)
 

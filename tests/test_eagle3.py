@@ -18,7 +18,7 @@ from spectune.bench.config import BenchConfig
 from spectune.bench.llama_cpp_loop import llama_baseline, run_peer
 from spectune.bench.run import bench
 from spectune.data.prepare import read_prompts
-from spectune.engines.handoff import HandoffConfig, hand_off
+from spectune.engines.handoff import HandoffConfig, hand_off, head_layers
 from spectune.engines.llama_cpp import SERVER, SPECULATIVE_TOOL, build_llama_cpp
 from spectune.engines.llama_server import free_port, speculation_flags
 from spectune.errors import SpectuneError
@@ -199,12 +199,40 @@ def test_the_head_drafts_in_llama_cpp_with_the_target_alones_answers_accepting_w
     assert row["name"] == "eagle3" and row["alpha"] > 0.2 and row["tau_simulated"]["4"] > 1.1
 
 
+def handed_off_as_each_engine_reads_a_head(run: Path, head: Path) -> None:
+    """vLLM takes the head's layers as they are (layer inputs), SGLang from eagle_config, each minus one; the run's
+    own head is left as it was (the hand-off's folder hard-links its files)."""
+    layers = json.loads((head / "config.json").read_text())["eagle_aux_hidden_state_layer_ids"]
+    for engine, algorithm in (("vllm", '"method": "eagle3"'), ("sglang", "--speculative-algorithm EAGLE3")):
+        report = hand_off(HandoffConfig(run=run, engine=engine))
+        assert report["eagle3"] and report["head_layers"] == layers and algorithm in report["command"]
+        handed = json.loads((run / "handoff" / engine / "draft" / "config.json").read_text())
+        assert handed["eagle_aux_hidden_state_layer_ids"] == layers
+        assert handed.get("eagle_config") == ({"eagle_aux_hidden_state_layer_ids": [layer - 1 for layer in layers]}
+                                              if engine == "sglang" else None)  # fmt: skip
+    assert "eagle_config" not in json.loads((head / "config.json").read_text())
+
+
+def test_an_engine_that_runs_no_head_beside_the_target_is_refused_saying_which_it_runs(tmp_path):
+    target, head = tmp_path / "target", tmp_path / "head"
+    for folder, config in (
+        (target, {"architectures": ["Gemma3ForCausalLM"]}),
+        (head, {"eagle_aux_hidden_state_layer_ids": [0, 9, 15]}),
+    ):
+        folder.mkdir()
+        (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(SpectuneError, match=r"vllm 0.33.0 runs EAGLE-3 heads beside Llama.*, not Gemma3ForCausalLM"):
+        head_layers("vllm", target, head)
+    with pytest.raises(SpectuneError, match="SGLang cannot capture layer 0's input"):
+        head_layers("sglang", target, head)
+
+
 def test_a_run_serving_its_head_serves_it_in_spectune_and_in_llama_server(
     head, tuned_target, demo_data, messages, tmp_path
 ):
     """export_pair exports the head beside the target; spectune's own server drafts with it and answers as the target
-    alone; a pair that names it runs llama-server with draft-eagle3, which does the same; the vLLM hand-off refuses
-    it, saying why."""
+    alone; a pair that names it runs llama-server with draft-eagle3, which does the same; vLLM and SGLang are handed
+    it in the layout each reads."""
     from openai import OpenAI
 
     gguf = tmp_path / "run" / "gguf"
@@ -222,8 +250,7 @@ def test_a_run_serving_its_head_serves_it_in_spectune_and_in_llama_server(
     assert reply.choices[0].message.content == engine_answer((target, None), messages, 24)
     drafted = re.search(r"^spectune_acceptance_rate (\S+)$", metrics, re.M)
     assert drafted is not None and float(drafted.group(1)) > 0  # the head drafted, and the target kept some
-    with pytest.raises(SpectuneError, match="EAGLE-3 head"):
-        hand_off(HandoffConfig(run=tmp_path / "run", engine="vllm"))
+    handed_off_as_each_engine_reads_a_head(tmp_path / "run", head)
     served = ServeConfig(
         run=tmp_path / "run", engine="llama.cpp", llama_server=build_llama_cpp() / SERVER, port=free_port(),
         n_ctx=512, threads=1,

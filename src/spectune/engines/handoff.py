@@ -3,8 +3,16 @@
 
 The flags were checked against the engines' own argument definitions (benchmarks/engine_args.py parses the
 written command with them): vLLM 0.33.0 (`vllm serve --speculative-config` JSON, vllm/config/speculative.py:
-method "draft_model", model, num_speculative_tokens) and SGLang 0.5.23 (sglang/srt/arg_groups/fields/spec.py:
-STANDALONE with eagle-topk 1, whose num-draft-tokens must be num-steps + 1).
+method "draft_model" or "eagle3", model, num_speculative_tokens) and SGLang 0.5.23
+(sglang/srt/arg_groups/fields/spec.py: STANDALONE or EAGLE3 with eagle-topk 1, whose num-draft-tokens must be
+num-steps + 1).
+
+An EAGLE-3 head is handed off in the layout both engines load (LlamaForCausalLMEagle3: `midlayer.*`, `fc`, `d2t`
+as offsets, no embedding of its own), read from their sources: vLLM's model_executor/models/llama_eagle3.py and
+SGLang's srt/models/llama_eagle3.py. They differ on the target layers: vLLM reads the head's top-level
+`eagle_aux_hidden_state_layer_ids` as the inputs of those layers (as spectune trains and llama.cpp runs them);
+SGLang reads only `eagle_config`'s and captures one layer later (the output of layer i: its models' "val + 1"), so
+its copy of the head's config says each layer minus one.
 """
 
 from __future__ import annotations
@@ -26,6 +34,12 @@ from spectune.models.load import check_model_dir, load_tokenizer
 from spectune.runtime.chosen import ChosenPair
 
 CHECKED_AGAINST = {"vllm": "0.33.0", "sglang": "0.5.23"}
+# The targets each engine runs an EAGLE-3 head beside: its models that capture layer inputs for one (vLLM's classes
+# that implement SupportsEagle3, SGLang's that define set_eagle3_layers_to_capture), of the families spectune tunes.
+HEAD_TARGETS = {
+    "vllm": ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"),
+    "sglang": ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Gemma3ForCausalLM"),
+}
 HANDOFF_REPORT, SERVE_SCRIPT = "handoff.json", "serve.sh"
 Engine = Literal["vllm", "sglang"]
 
@@ -41,14 +55,18 @@ class HandoffConfig(Settings):
     model_name: str = Field("spectune", description="The model id the engine's API reports.")
 
 
-def engine_command(engine: Engine, target: Path, draft: Path, k: int, host: str, port: int, name: str) -> list[str]:
-    """The command that serves `target` with `draft` proposing `k` tokens a step, greedy-verifiable."""
+def engine_command(
+    engine: Engine, target: Path, draft: Path, k: int, host: str, port: int, name: str, eagle3: bool = False
+) -> list[str]:
+    """The command that serves `target` with `draft` (an EAGLE-3 head where `eagle3`) proposing `k` tokens a step,
+    greedy-verifiable."""
     if engine == "vllm":
-        speculative = {"method": "draft_model", "model": str(draft), "num_speculative_tokens": k}
+        method = "eagle3" if eagle3 else "draft_model"
+        speculative = {"method": method, "model": str(draft), "num_speculative_tokens": k}
         return ["vllm", "serve", str(target), "--served-model-name", name, "--host", host, "--port", str(port),
                 "--speculative-config", json.dumps(speculative)]  # fmt: skip
     return ["python", "-m", "sglang.launch_server", "--model-path", str(target), "--served-model-name", name,
-            "--host", host, "--port", str(port), "--speculative-algorithm", "STANDALONE",
+            "--host", host, "--port", str(port), "--speculative-algorithm", "EAGLE3" if eagle3 else "STANDALONE",
             "--speculative-draft-model-path", str(draft), "--speculative-num-steps", str(k),
             "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", str(k + 1)]  # fmt: skip
 
@@ -83,27 +101,50 @@ def _link_tree(source: Path, out: Path) -> None:
     shutil.copytree(source, out, copy_function=link_or_copy)
 
 
+def head_layers(engine: Engine, target: Path, head: Path) -> list[int]:
+    """The target layers whose inputs an EAGLE-3 head reads, checked that `engine` runs a head beside this target."""
+    architectures = json.loads((target / "config.json").read_text()).get("architectures") or []
+    if not set(architectures) & set(HEAD_TARGETS[engine]):
+        raise SpectuneError(
+            f"{target}: {engine} {CHECKED_AGAINST[engine]} runs EAGLE-3 heads beside {', '.join(HEAD_TARGETS[engine])}"
+            f", not {', '.join(architectures) or 'this model'}; serve the head with the run's llama-server.sh (or "
+            "spectune serve)"
+        )
+    layers = json.loads((head / "config.json").read_text()).get("eagle_aux_hidden_state_layer_ids") or []
+    if engine == "sglang" and min(layers, default=1) < 1:
+        raise SpectuneError(f"{head}: SGLang cannot capture layer 0's input (the embedding) for an EAGLE-3 head")
+    return layers
+
+
+def sglang_head_config(draft: Path, layers: list[int]) -> None:
+    """The handed-off head's config.json as SGLang reads its layers (each minus one: see the module's note). The file
+    is a hard link to the run's: replaced, not edited."""
+    config = json.loads((draft / "config.json").read_text())
+    config["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": [layer - 1 for layer in layers]}
+    (draft / "config.json").unlink()
+    (draft / "config.json").write_text(json.dumps(config, indent=2))
+
+
 def hand_off(config: HandoffConfig) -> dict[str, Any]:
     """Write OUT/target, OUT/draft, handoff.json and serve.sh; returns the report."""
     chosen = ChosenPair.read(RunLayout(config.run).chosen_pair)
     if chosen.target_hf is None or chosen.draft_hf is None:
         raise SpectuneError(f"{config.run}: its pair.json predates hand-off; run `spectune run CONFIG --only export`")
-    if chosen.eagle3:
-        raise SpectuneError(
-            f"{config.run}: its pair serves an EAGLE-3 head, whose hand-off to {config.engine} is not built or checked "
-            "yet; serve it with the run's llama-server.sh (or spectune serve --engine llama.cpp)"
-        )
     target, draft = check_model_dir(str(chosen.target_hf)), check_model_dir(str(chosen.draft_hf))
-    vocabulary = check_same_tokenizer(target, draft)
+    vocabulary = check_same_tokenizer(target, draft)  # a head's folder carries its target's tokenizer
+    layers = head_layers(config.engine, target, draft) if chosen.eagle3 else None
     out = config.out or config.run / "handoff" / config.engine
     command = engine_command(
-        config.engine, out / "target", out / "draft", chosen.k, config.host, config.port, config.model_name
-    )
+        config.engine, out / "target", out / "draft", chosen.k, config.host, config.port, config.model_name,
+        chosen.eagle3,
+    )  # fmt: skip
     report = {
         "engine": config.engine,
         "checked_against": f"{config.engine} {CHECKED_AGAINST[config.engine]}",
         "draft_name": chosen.draft_name,
         "k": chosen.k,
+        "eagle3": chosen.eagle3,
+        "head_layers": layers,
         "vocabulary": vocabulary,
         "from": {"target": str(target), "draft": str(draft)},
         "command": shlex.join(command),
@@ -112,10 +153,13 @@ def hand_off(config: HandoffConfig) -> dict[str, Any]:
         tmp.mkdir(parents=True)
         _link_tree(target, tmp / "target")
         _link_tree(draft, tmp / "draft")
+        if layers is not None and config.engine == "sglang":
+            sglang_head_config(tmp / "draft", layers)
         (tmp / HANDOFF_REPORT).write_text(json.dumps(report, indent=2))
         script = tmp / SERVE_SCRIPT
+        kind = "EAGLE-3 head" if chosen.eagle3 else "draft"
         script.write_text(
-            f"#!/bin/sh\n# {config.engine} on the tuned pair: draft {chosen.draft_name}, k = {chosen.k} "
+            f"#!/bin/sh\n# {config.engine} on the tuned pair: {kind} {chosen.draft_name}, k = {chosen.k} "
             f"(the run's recommended k); flags checked against {report['checked_against']}.\n"
             f'exec {report["command"]} "$@"\n'
         )
