@@ -7,7 +7,10 @@ c in bytes and on the reference card, the predicted speedup at the best k; the t
 is the one a run serves.
 
 Usage: python benchmarks/draft_types.py --target TARGET.gguf --draft NAME=HF_DIR [--draft ...] --data EVAL.jsonl \
-           [--train TRAIN.jsonl] [--type Q4_K_M --type Q8_0] [--n 20] [--max-tokens 48] --name NAME
+           [--train TRAIN.jsonl] [--answers ANSWERS.jsonl] [--type Q4_K_M --type Q8_0] [--n 20] [--max-tokens 48] \
+           --name NAME
+`--answers`: the tuned target's own answers (seqkd's target_answers.jsonl) go first in the drafts' calibration text,
+the training dialogues after them (the matrix reads its first chunks only).
 Writes benchmarks/results/draft_types_NAME.json and prints the table.
 """
 
@@ -40,6 +43,7 @@ def main() -> None:
     parser.add_argument("--draft", action="append", required=True, help="NAME=HF_DIR (repeat).")
     parser.add_argument("--data", type=Path, required=True, help="Held-out chat dataset: the prompts.")
     parser.add_argument("--train", type=Path, default=None, help="Training dialogues: the importance matrices.")
+    parser.add_argument("--answers", type=Path, default=None, help="The target's answers: calibration text first.")
     parser.add_argument("--type", action="append", default=None, help="GGUF type (repeat; default: the run's).")
     parser.add_argument("--n", type=int, default=20)
     parser.add_argument("--max-tokens", type=int, default=48)
@@ -49,12 +53,13 @@ def main() -> None:
     types, threads = args.type or list(DRAFT_TYPES), thread_count(args.threads)
     configure_torch_threads(threads)
     drafts = {name: Path(folder) for name, folder in (item.split("=", 1) for item in args.draft)}
-    dialogues = held_out(args.train, CALIBRATION_DIALOGUES) if args.train else []
+    dialogues = [*held_out(args.answers, CALIBRATION_DIALOGUES), *held_out(args.train, CALIBRATION_DIALOGUES)]
     report = {
         "command": f"python benchmarks/draft_types.py --target {shown(args.target)} "
         + " ".join(f"--draft {name}={shown(folder)}" for name, folder in drafts.items())
         + f" --data {args.data}"
         + (f" --train {args.train}" if args.train else "")
+        + (f" --answers {args.answers}" if args.answers else "")
         + "".join(f" --type {quant}" for quant in types)
         + f" --n {args.n} --max-tokens {args.max_tokens} --name {args.name}",
         "machine": f"{platform.machine()} {platform.processor() or ''}".strip() + f", {threads} threads",

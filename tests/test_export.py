@@ -10,6 +10,7 @@ import pytest
 from conftest import run_cli, swap_two_tokens
 
 from spectune.data.read import read_dialogues
+from spectune.engines.handoff import HandoffConfig, hand_off
 from spectune.engines.llama_cpp import build_llama_cpp
 from spectune.errors import SpectuneError
 from spectune.export.gguf import convert, export_model
@@ -53,7 +54,7 @@ def test_export_pair_checks_and_reports(exported, demo_data):
 def test_the_pair_served_carries_ngram_lookup_where_it_predicts_best(exported, tuned_target, sft_draft, demo_data):
     """An acceptance report where lookup in front of the draft predicts best on a GPU: pair.json names it (its
     settings, its domain answers relative to the folder), llama-server.sh runs llama.cpp's ngram-simple before the
-    draft, and `spectune serve --run` serves it."""
+    draft, and `spectune serve --run` serves it; vLLM is handed the draft alone at the draft's own k."""
     _, out = exported
     run = out.parent / "run-with-ngram"
     (run / "gguf").mkdir(parents=True)
@@ -72,6 +73,12 @@ def test_the_pair_served_carries_ngram_lookup_where_it_predicts_best(exported, t
     config = ExportPairConfig(target=tuned_target, drafts={"draft": sft_draft}, out=run / "gguf")
     chosen = write_pair(config, acceptance)["chosen"]
     assert (chosen["draft_name"], chosen["k"], chosen["ngram"]) == ("draft", 4, settings.model_dump())
+    handed = hand_off(HandoffConfig(run=run, engine="vllm"))  # vLLM chains no lookup: the draft alone, at its own k
+    assert (
+        handed["lookup_left_out"]
+        and handed["k"] == chosen["draft_k"] == 2
+        and '"num_speculative_tokens": 2' in (handed["command"])
+    )
     assert (run / "gguf" / chosen["ngram_data"]).resolve() == demo_data.resolve()
     script = (run / "gguf" / "llama-server.sh").read_text()
     assert "--spec-type ngram-simple,draft-simple" in script and "--spec-ngram-simple-size-n 3" in script
@@ -79,7 +86,7 @@ def test_the_pair_served_carries_ngram_lookup_where_it_predicts_best(exported, t
     assert served.ngram == settings and served.ngram_data.resolve() == demo_data.resolve() and served.draft_max == 4
     assert ServeConfig(run=run, engine="llama.cpp").ngram_data is None  # llama-server looks up the conversation
     plain = write_pair(config, {**acceptance, "drafts": acceptance["drafts"][:1]})["chosen"]
-    assert plain["ngram"] is None and ServeConfig(run=run).ngram is None
+    assert plain["ngram"] is None and plain["draft_k"] is None and ServeConfig(run=run).ngram is None
 
 
 def test_q4_k_m_loads_and_generates(exported):

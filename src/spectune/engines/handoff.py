@@ -135,14 +135,15 @@ def hand_off(config: HandoffConfig) -> dict[str, Any]:
     layers = head_layers(config.engine, target, draft) if chosen.eagle3 else None
     out = config.out or config.run / "handoff" / config.engine
     command = engine_command(
-        config.engine, out / "target", out / "draft", chosen.k, config.host, config.port, config.model_name,
+        config.engine, out / "target", out / "draft", chosen.alone_k, config.host, config.port, config.model_name,
         chosen.eagle3,
     )  # fmt: skip
     report = {
         "engine": config.engine,
         "checked_against": f"{config.engine} {CHECKED_AGAINST[config.engine]}",
         "draft_name": chosen.draft_name,
-        "k": chosen.k,
+        "k": chosen.alone_k,
+        "lookup_left_out": chosen.ngram is not None,  # neither engine chains n-gram lookup in front of a draft
         "eagle3": chosen.eagle3,
         "head_layers": layers,
         "vocabulary": vocabulary,
@@ -159,8 +160,8 @@ def hand_off(config: HandoffConfig) -> dict[str, Any]:
         script = tmp / SERVE_SCRIPT
         kind = "EAGLE-3 head" if chosen.eagle3 else "draft"
         script.write_text(
-            f"#!/bin/sh\n# {config.engine} on the tuned pair: {kind} {chosen.draft_name}, k = {chosen.k} "
-            f"(the run's recommended k); flags checked against {report['checked_against']}.\n"
+            f"#!/bin/sh\n# {config.engine} on the tuned pair: {kind} {chosen.draft_name}, k = {chosen.alone_k} "
+            f"(its recommended k alone); flags checked against {report['checked_against']}.\n"
             f'exec {report["command"]} "$@"\n'
         )
         script.chmod(0o755)

@@ -257,11 +257,13 @@ def write_pair(config: ExportPairConfig, acceptance: dict[str, Any] | None) -> d
     swept = (acceptance or {}).get("draft_types", {}).get("drafts", {})  # the type chosen for each draft model
     draft_file = Path(swept[name]["gguf"]) if name in swept else config.out / gguf_name(name, quant)
     fronted = acceptance if acceptance and variant.lookups else None  # lookup in front: its settings and answers
+    alone = [row for row in (fronted or {}).get("drafts", []) if row["name"] == name]  # the draft's own k
     chosen = ChosenPair(
         target=target_file,
         draft=draft_file,
         draft_name=name,
         k=k,
+        draft_k=alone[0]["recommended_k"] if alone else None,
         ngram=fronted["ngram"] if fronted else None,
         ngram_data=fronted.get("ngram_data") if fronted else None,
         eagle3=is_eagle3_head(Path(config.drafts[name])),

@@ -28,9 +28,17 @@ class ChosenPair(BaseModel):
     k: int = Field(ge=0, description="Its k: the acceptance stage's recommended k, else the default.")
     ngram: NgramSettings | None = Field(None, description="n-gram lookup's settings where it goes in front.")
     ngram_data: Path | None = Field(None, description="The answers that fill n-gram lookup's domain table.")
+    draft_k: int | None = Field(
+        None, ge=0, description="The draft's own recommended k without lookup in front (for the hand-off); None: k."
+    )
     eagle3: bool = Field(False, description="The draft is an EAGLE-3 head (it runs beside the target).")
     target_hf: Path | None = Field(None, description="The HF folder of the target (vLLM's, SGLang's input).")
     draft_hf: Path | None = Field(None, description="The HF folder of the draft.")
+
+    @property
+    def alone_k(self) -> int:
+        """k for the draft alone: what vLLM and SGLang run, which chain no n-gram lookup in front of it."""
+        return self.k if self.draft_k is None else self.draft_k
 
     @property
     def variant(self) -> Variant:
