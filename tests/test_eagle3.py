@@ -225,6 +225,9 @@ def test_an_engine_that_runs_no_head_beside_the_target_is_refused_saying_which_i
         head_layers("vllm", target, head)
     with pytest.raises(SpectuneError, match="SGLang cannot capture layer 0's input"):
         head_layers("sglang", target, head)
+    (head / "config.json").write_text("{}")
+    with pytest.raises(SpectuneError, match="no eagle_aux_hidden_state_layer_ids"):
+        head_layers("sglang", target, head)
 
 
 def test_a_run_serving_its_head_serves_it_in_spectune_and_in_llama_server(

@@ -111,7 +111,9 @@ def head_layers(engine: Engine, target: Path, head: Path) -> list[int]:
             "spectune serve)"
         )
     layers = json.loads((head / "config.json").read_text()).get("eagle_aux_hidden_state_layer_ids") or []
-    if engine == "sglang" and min(layers, default=1) < 1:
+    if not layers:
+        raise SpectuneError(f"{head / 'config.json'}: no eagle_aux_hidden_state_layer_ids (the layers the head reads)")
+    if engine == "sglang" and min(layers) < 1:
         raise SpectuneError(f"{head}: SGLang cannot capture layer 0's input (the embedding) for an EAGLE-3 head")
     return layers
 
