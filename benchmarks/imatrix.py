@@ -48,6 +48,8 @@ def measure_model(folder: Path, args: argparse.Namespace, scratch: Path) -> dict
     calibration = "\n".join(rendered(folder, args.train, args.calibration))
     texts = rendered(folder, args.eval, args.fidelity)
     f16, convert_seconds = timed(convert, folder, scratch / "model.f16.gguf", "F16")
+    # the benchmark times the matrix, not the cache: one cached by a run of this model is computed again
+    imatrix.cached_matrix(f16, calibration, args.chunks).unlink(missing_ok=True)
     (matrix, _), matrix_seconds = timed(imatrix.importance_matrix, f16, calibration, args.threads, args.chunks)
     row = {
         "hf": shown(folder),
@@ -56,13 +58,10 @@ def measure_model(folder: Path, args: argparse.Namespace, scratch: Path) -> dict
         "imatrix_seconds": matrix_seconds,
         "types": {},
     }
-    matrix_copy = scratch / "matrix.gguf"  # measured again next time: the benchmark times the matrix, not the cache
-    matrix_copy.write_bytes(matrix.read_bytes())
-    matrix.unlink()
     for quant in args.quant:
         plain, plain_seconds = timed(quantize, f16, scratch / f"plain.{quant}.gguf", quant, args.threads)
         weighted, weighted_seconds = timed(
-            imatrix.quantize_with, f16, scratch / f"imatrix.{quant}.gguf", quant, matrix_copy, args.threads
+            imatrix.quantize_with, f16, scratch / f"imatrix.{quant}.gguf", quant, matrix, args.threads
         )
         row["types"][quant] = {
             "plain": {**fidelity(folder, plain, texts, args.threads), "bytes": plain.stat().st_size},
@@ -110,7 +109,8 @@ def main() -> None:
         + " ".join(f"--model {name}={shown(Path(folder))}" for name, folder in models.items())
         + f" --train {args.train} --eval {args.eval} "
         + " ".join(f"--quant {quant}" for quant in args.quant)
-        + f" --chunks {args.chunks} --name {args.name}",
+        + f" --calibration {args.calibration} --fidelity {args.fidelity} --chunks {args.chunks}"
+        + f" --threads {args.threads} --name {args.name}",
         "machine": f"{platform.machine()} {platform.processor() or ''}".strip() + f", {args.threads} threads",
         "build": build_name(),
         "train": str(args.train),

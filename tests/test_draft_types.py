@@ -74,13 +74,21 @@ def test_every_type_plain_and_weighted_is_measured_made_anew_and_the_fastest_on_
 
 def test_a_larger_type_is_chosen_only_where_it_wins_by_more_than_the_margin():
     def row(label: str, size: int, speedup: float) -> dict:
-        return {"label": label, "bytes": size, "chosen_by": {"speedup": speedup}}
+        quant, weighted = label.removesuffix("+imatrix"), label.endswith("+imatrix")
+        return {"label": label, "quant": quant, "imatrix": weighted, "bytes": size, "chosen_by": {"speedup": speedup}}
 
     near_tie = [row("Q6_K", 600, 0.951), row("Q4_K_M", 400, 0.949), row("Q8_0", 800, 0.90)]
     assert choose_type(near_tie, 0.02)["label"] == "Q4_K_M"  # the Gemma 3 run's case: within noise, the smaller
     assert choose_type(near_tie, 0.0)["label"] == "Q6_K"  # no margin: the best, however slight
     clear_win = [row("Q4_K_M", 400, 0.90), row("Q5_K_M", 500, 1.10), row("Q6_K", 600, 1.11)]
     assert choose_type(clear_win, 0.02)["label"] == "Q5_K_M"  # Q6_K's 1% over Q5_K_M is noise, Q5_K_M's 22% is not
+    # one type's two files cost the same step: the plain one, unless the matrix wins by more than the margin
+    weighted_larger = [row("Q4_K_M", 400, 1.00), row("Q4_K_M+imatrix", 401, 1.015), row("Q5_K_M+imatrix", 501, 1.2)]
+    assert choose_type(weighted_larger[:2], 0.02)["label"] == "Q4_K_M"
+    assert choose_type(weighted_larger, 0.02)["label"] == "Q5_K_M+imatrix"  # the only file of its type
+    weighted_smaller = [row("Q4_K_M", 401, 1.00), row("Q4_K_M+imatrix", 400, 1.015)]
+    assert choose_type(weighted_smaller, 0.02)["label"] == "Q4_K_M"  # by type, not by the metadata's bytes
+    assert choose_type([row("Q4_K_M", 400, 1.00), row("Q4_K_M+imatrix", 401, 1.05)], 0.02)["label"] == "Q4_K_M+imatrix"
 
 
 def test_an_unknown_type_is_refused_when_the_config_is_read():

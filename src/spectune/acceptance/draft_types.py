@@ -47,8 +47,9 @@ class DraftTypesSettings(Settings):
         0.02,
         ge=0,
         lt=1,
-        description="A larger file is served only where its predicted speedup beats every smaller one's by more than "
-        "this fraction: below it, the sweep's prompts cannot tell the types apart.",
+        description="A larger type (or a type weighted by the importance matrix, over its plain file) is served only "
+        "where its predicted speedup beats the others' by more than this fraction: below it, the sweep's prompts "
+        "cannot tell them apart.",
     )
 
     @field_validator("draft_types")
@@ -166,12 +167,17 @@ def card_band(row: DraftAcceptance, k: int, draft: Weights, target: Weights) -> 
 
 
 def choose_type(rows: list[dict[str, Any]], margin: float) -> dict[str, Any]:
-    """The smallest file whose predicted speedup is within `margin` (a fraction) of the best: a type that wins by
+    """The smallest type whose predicted speedup is within `margin` (a fraction) of the best: a type that wins by
     less is noise (the Gemma 3 run's seqkd draft: α 45.5% at Q6_K against 44.9% at Q4_K_M, where α's standard
-    error over its 314 answer tokens is about 3 points, and both predicted 0.95x)."""
+    error over its 314 answer tokens is about 3 points, and both predicted 0.95x). Of one type's two files, which
+    cost the same step (the weighted one is a few hundred bytes of metadata larger), the plain one unless it is
+    outside the margin: the matrix must win clearly to be served."""
     best = max(row["chosen_by"]["speedup"] for row in rows)
     close = [row for row in rows if row["chosen_by"]["speedup"] >= best * (1 - margin)]
-    return min(close, key=lambda row: (row["bytes"], -row["chosen_by"]["speedup"]))
+    type_bytes: dict[str, int] = {}
+    for row in rows:
+        type_bytes[row["quant"]] = min(row["bytes"], type_bytes.get(row["quant"], row["bytes"]))
+    return min(close, key=lambda row: (type_bytes[row["quant"]], row["imatrix"], -row["chosen_by"]["speedup"]))
 
 
 def sweep_draft(
@@ -267,7 +273,7 @@ def type_table(sweep: dict[str, Any]) -> list[str]:
         f"### Draft types ({sweep['prompts']} prompts, {sweep['answer_tokens']} target tokens, {sweep['seconds']} s)",
         "",
         *(
-            [f"A larger file is chosen only where it wins by more than {sweep['type_margin']:.0%}.", ""]
+            [f"A larger type, or the matrix over plain, wins only by more than {sweep['type_margin']:.0%}.", ""]
             if sweep.get("type_margin")
             else []
         ),

@@ -31,6 +31,12 @@ MAX_CHUNKS = 32  # 16k tokens: on SmolLM2 128 chunks gave the same fidelity at 4
 IMATRIX_TYPES = ("Q4_0", "Q4_K_S", "Q4_K_M", "Q5_K_M", "Q6_K")  # the types quantized with it (Q8_0 and up ignore it)
 
 
+def cached_matrix(f16_gguf: Path, text: str, max_chunks: int = MAX_CHUNKS) -> Path:
+    """Where the matrix of `f16_gguf` on `text` is cached: named by the F16's and the text's digests."""
+    key = hashlib.sha256(f"{path_hash(f16_gguf)}\n{CHUNK_TOKENS}\n{max_chunks}\n{text}".encode()).hexdigest()[:24]
+    return cache_root() / "imatrix" / f"{key}.gguf"
+
+
 def importance_matrix(
     f16_gguf: Path, text: str, threads: int | None = None, max_chunks: int = MAX_CHUNKS
 ) -> tuple[Path, dict[str, Any]]:
@@ -38,8 +44,7 @@ def importance_matrix(
     made of: its chunks and the seconds it took (0 from the cache)."""
     if not text.strip():
         raise SpectuneError(f"{f16_gguf}: no calibration text for its importance matrix")
-    key = hashlib.sha256(f"{path_hash(f16_gguf)}\n{CHUNK_TOKENS}\n{max_chunks}\n{text}".encode()).hexdigest()[:24]
-    out = cache_root() / "imatrix" / f"{key}.gguf"
+    out = cached_matrix(f16_gguf, text, max_chunks)
     info = {"file": str(out), "chunk_tokens": CHUNK_TOKENS, "max_chunks": max_chunks, "seconds": 0.0}
     if out.is_file():
         return out, info
