@@ -5,7 +5,8 @@ cut the draft from the tuned target (default) or from another model (`--cut-from
 its first layers), train it with the run's draft settings (`--set` overrides them) and `--method`, export both to
 Q4_K_M and measure c and r(n) in time here (llama.cpp, interleaved), then the offline α on the run's acceptance
 prompts and the speedup it predicts here, on a memory-bound GPU (c by what a step reads) and on the reference card
-(spectune.gpu). The run's own draft of that method is reused for the run's shape.
+(spectune.gpu). The run's own draft of that method is reused for the run's shape. `--keep` keeps the GGUFs (for
+`spectune bench`) and each trained shape's folder (for benchmarks/draft_types.py: the shape at other types).
 Writes benchmarks/results/draft_shapes_<name>.json/.md.
 
 Usage: python benchmarks/draft_shapes.py configs/smollm2-sgd.yaml --name smollm2_sgd --shapes 0,-1 0,1 0,-3,-2,-1
@@ -137,6 +138,14 @@ def keep(folder: Path, files: dict[Path, str]) -> None:
             shutil.copyfile(source, tmp)
 
 
+def keep_folder(source: Path, destination: Path) -> None:
+    """A trained shape's HF folder (benchmarks/draft_types.py measures it at other types), whole or not at all."""
+    if not source.is_dir():  # the run's own draft, reused: it stays in the run
+        return
+    with atomic_path(destination) as tmp:
+        shutil.copytree(source, tmp)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("config", type=Path)
@@ -148,7 +157,9 @@ def main() -> None:
     )
     parser.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="draft settings over the run's")
     parser.add_argument(
-        "--keep", type=Path, help="keep the target's and each shape's Q4_K_M GGUF here (to bench them after)"
+        "--keep",
+        type=Path,
+        help="keep the target's and each shape's Q4_K_M GGUF and trained folder here (to bench them after)",
     )
     args = parser.parse_args()
     config = load_run_config(args.config)
@@ -168,6 +179,7 @@ def main() -> None:
                 kept = {target_gguf: "target.Q4_K_M.gguf", folder / "draft.Q4_K_M.gguf": f"{shape}.Q4_K_M.gguf"}
                 answers = folder / "trained" / TARGET_ANSWERS
                 keep(args.keep, kept | ({answers: TARGET_ANSWERS} if answers.is_file() else {}))
+                keep_folder(folder / "trained" / "model", args.keep / shape)
     result = {
         "target": str(config.layout.merged_target),
         "cut_from": args.cut_from or str(config.layout.merged_target),  # as given: a name, not this machine's path

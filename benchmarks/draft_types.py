@@ -8,7 +8,7 @@ is the one a run serves.
 
 Usage: python benchmarks/draft_types.py --target TARGET.gguf --draft NAME=HF_DIR [--draft ...] --data EVAL.jsonl \
            [--train TRAIN.jsonl] [--answers ANSWERS.jsonl] [--type Q4_K_M --type Q8_0] [--n 20] [--max-tokens 48] \
-           --name NAME
+           [--keep DIR] --name NAME
 `--answers`: the tuned target's own answers (seqkd's target_answers.jsonl) go first in the drafts' calibration text,
 the training dialogues after them (the matrix reads its first chunks only).
 Writes benchmarks/results/draft_types_NAME.json and prints the table.
@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import shutil
 import tempfile
 import time
 from pathlib import Path
@@ -37,6 +38,15 @@ from spectune.threads import configure_torch_threads, thread_count
 RESULTS = Path(__file__).parent / "results"
 
 
+def keep_files(sweep: dict, folder: Path) -> None:
+    """Every swept file copied into `folder` as NAME.LABEL.gguf (Q4_K_M+imatrix: NAME.Q4_K_M-imatrix.gguf)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    for name, entry in sweep["drafts"].items():
+        for row in entry["types"]:
+            with atomic_path(folder / f"{name}.{row['label'].replace('+', '-')}.gguf") as tmp:
+                shutil.copyfile(row["gguf"], tmp)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--target", type=Path, required=True, help="The target's GGUF.")
@@ -49,6 +59,7 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=48)
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--name", required=True)
+    parser.add_argument("--keep", type=Path, default=None, help="Keep every swept GGUF here (to bench them after).")
     args = parser.parse_args()
     types, threads = args.type or list(DRAFT_TYPES), thread_count(args.threads)
     configure_torch_threads(threads)
@@ -61,7 +72,9 @@ def main() -> None:
         + (f" --train {args.train}" if args.train else "")
         + (f" --answers {args.answers}" if args.answers else "")
         + "".join(f" --type {quant}" for quant in types)
-        + f" --n {args.n} --max-tokens {args.max_tokens} --name {args.name}",
+        + f" --n {args.n} --max-tokens {args.max_tokens}"
+        + (f" --keep {shown(args.keep)}" if args.keep else "")
+        + f" --name {args.name}",
         "machine": f"{platform.machine()} {platform.processor() or ''}".strip() + f", {threads} threads",
         "build": build_name(),
         "imatrix": bool(dialogues),
@@ -77,6 +90,8 @@ def main() -> None:
         prompts = read_prompts(args.data)[: args.n]
         report["export_seconds"] = export_seconds
         report["sweep"] = sweep_types(args.target, exported, prompts, args.max_tokens, types, calibration, threads)
+        if args.keep:
+            keep_files(report["sweep"], args.keep)
     for entry in report["sweep"]["drafts"].values():  # the files were in a scratch folder: their names only
         entry["gguf"] = Path(entry["gguf"]).name
         for row in entry["types"]:
