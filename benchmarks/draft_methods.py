@@ -82,7 +82,7 @@ def train_from(context: Context, method: str, start: str, **overrides: Any) -> d
         draft=Path(context.outputs[f"draft:{start}"]["model"]),
         method=method,
         **train_inputs(context, out),
-        **{**context.config.drafts.for_method(method), **overrides},
+        **{**context.config.draft_settings(method), **overrides},
     )
     return {**train_draft(draft_config).model_dump(mode="json"), "start_from": start}
 

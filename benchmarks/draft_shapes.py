@@ -55,7 +55,7 @@ def trained_draft(shapes: Shapes, layers: list[int], scratch: Path) -> tuple[Pat
     config, layout, method = shapes.config, shapes.config.layout, shapes.method
     runs_shape = config.models.draft == "target-layers" and layers == (config.models.draft_layers or DERIVED_LAYERS)
     own = layout.draft_dir(method) / "draft.json"
-    runs_settings = shapes.settings == DraftSettings.model_validate(config.drafts.for_method(method))
+    runs_settings = shapes.settings == DraftSettings.model_validate(config.draft_settings(method))
     if shapes.cut_from is None and runs_shape and runs_settings and own.is_file():
         return layout.draft_dir(method) / "model", json.loads(own.read_text())
     base = derive_draft(shapes.cut_from or layout.merged_target, layers, scratch / "base")
@@ -164,7 +164,7 @@ def main() -> None:
     args = parser.parse_args()
     config = load_run_config(args.config)
     overrides = dict(item.split("=", 1) for item in args.set)
-    settings = validate(DraftSettings, {**config.drafts.for_method(args.method), **overrides}, "--set")
+    settings = validate(DraftSettings, {**config.draft_settings(args.method), **overrides}, "--set")
     cut_from = model_folder(args.cut_from) if args.cut_from else None
     shapes = Shapes(config, cut_from, args.method, settings)
     rows = []

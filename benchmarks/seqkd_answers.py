@@ -1,6 +1,6 @@
 """seqkd's slow part, both ways on the same prompts: the tuned target's greedy answers from HF generate (f32) and
-from llama.cpp (its Q8_0 export, what `drafts.answers_by: llama.cpp` uses), interleaved prompt by prompt. Prints
-tokens/s each way (totals and the per-prompt median) and how often the answers agree.
+from llama.cpp (its Q8_0 export; `drafts.answers_by: llama.cpp` answers at the served type), interleaved prompt by
+prompt. Prints tokens/s each way (totals and the per-prompt median) and how often the answers agree.
 Needs a pipeline run whose merge stage finished; the prompts are the first assistant turns of its eval dialogues.
 
 Usage: python benchmarks/seqkd_answers.py configs/smollm2-sgd.yaml --name smollm2_sgd --prompts 40

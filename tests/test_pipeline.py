@@ -264,7 +264,15 @@ def test_the_stage_table_declares_what_each_stage_reads():
     assert table["acceptance"].needs == ("target", "merge", "base-draft", "draft:sft", "draft:seqkd", "export")
     assert "acceptance" not in table["export"].needs and "acceptance" in table["bench"].needs
     seqkd, sft = table["draft:seqkd"].settings(config), table["draft:sft"].settings(config)
-    assert seqkd == sft  # no overrides: the same settings
+    # no overrides: the same settings, and seqkd's answers come from the target's file as it is served
+    assert seqkd[0] == {**sft[0], "answers_quant": config.export.quant}
+    served_q8 = config.model_copy(update={"export": config.export.model_copy(update={"quant": "q8_0"})})
+    assert table["draft:seqkd"].settings(served_q8)[0]["answers_quant"] == "Q8_0"
+    assert table["draft:sft"].settings(served_q8) == sft  # a draft trained on the data does not rerun
+    told = config.model_copy(update={"drafts": config.drafts.model_copy(update={"answers_quant": "Q6_K"})})
+    assert table["draft:seqkd"].settings(told)[0]["answers_quant"] == "Q6_K"
+    with pytest.raises(SpectuneError, match="unknown quant type 'Q3'"):
+        validate(RunConfig, {"drafts": {"answers_quant": "Q3"}}, "test")
     with_override = config.model_copy(
         update={"drafts": DraftsSettings(methods=["sft", "seqkd"], overrides={"seqkd": {"max_train": 5}})}
     )

@@ -20,7 +20,6 @@ from spectune.runtime.ngram import NgramSettings
 from spectune.speedup import expected_tokens, speedup, speedup_of_steps
 from spectune.train.distill import divergence, divergence_loss, sparse_log_probs
 from spectune.train.draft import (
-    TEACHER_GGUF,
     DraftConfig,
     DraftResult,
     conversation_prompts,
@@ -78,7 +77,8 @@ def test_every_method_trains_and_reports(drafts):
 
 def test_speckd_continues_seqkd_on_the_targets_answers_with_total_variation(drafts):
     speckd, seqkd = drafts["speckd"], drafts["seqkd"]
-    assert not (speckd.model.parent / TEACHER_GGUF).exists()  # seqkd's answers, from the cache
+    assert [path.name for path in seqkd.model.parent.glob("teacher.*.gguf")] == ["teacher.Q4_K_M.gguf"]  # as served
+    assert not list(speckd.model.parent.glob("teacher.*.gguf"))  # seqkd's answers, from the cache
     assert speckd.teacher_seconds < seqkd.teacher_seconds
     assert speckd.trained_tokens == seqkd.trained_tokens  # the same dialogues: the target's answers
     assert 0.0 < speckd.eval_loss_after < speckd.eval_loss_before <= 1.0  # a total variation, not a KL
@@ -86,7 +86,7 @@ def test_speckd_continues_seqkd_on_the_targets_answers_with_total_variation(draf
 
 def test_seqkd_reuses_the_targets_answers(drafts, micro_pair, tuned_target, demo_data, tmp_path):
     again = train_draft(draft_config(micro_pair, tuned_target, demo_data, tmp_path, "seqkd"))
-    assert not (tmp_path / TEACHER_GGUF).exists()  # nothing exported: the answers came from the cache
+    assert not list(tmp_path.glob("teacher.*.gguf"))  # nothing exported: the answers came from the cache
     assert again.teacher_seconds < drafts["seqkd"].teacher_seconds
     assert again.eval_loss_after == pytest.approx(drafts["seqkd"].eval_loss_after, rel=1e-4)
 

@@ -15,7 +15,7 @@ from spectune.data.prepare import SplitSettings
 from spectune.errors import Problem, SpectuneError
 from spectune.export.gguf import check_quant
 from spectune.export.pair import ExportSettings
-from spectune.layout import RunLayout
+from spectune.layout import DEFAULT_QUANT, RunLayout
 from spectune.models.demo_pair import RECIPES
 from spectune.models.imported import REAL_MODELS
 from spectune.models.resolve import MODEL_REFERENCE, is_hub_id
@@ -23,6 +23,7 @@ from spectune.runtime.ngram import NgramSettings
 from spectune.threads import ThreadsSettings
 from spectune.train.draft import (
     DEFAULT_DIVERGENCE,
+    TARGET_PATH_METHODS,
     DraftSettings,
     Method,
     method_problems,
@@ -118,12 +119,16 @@ class DraftsSettings(DraftSettings):
 
         return sorted(self.methods, key=depth)
 
-    def for_method(self, method: str) -> dict[str, Any]:
+    def for_method(self, method: str, served_quant: str = DEFAULT_QUANT) -> dict[str, Any]:
         """The draft settings of one method, its overrides applied; the loss resolved for the methods that have one
-        (a changed default then reruns what it trained)."""
+        and the answering file's type (else `served_quant`) for those trained on the target's answers (a changed
+        default then reruns what it trained; the others do not hold it)."""
         settings = {**self.model_dump(include=set(DraftSettings.model_fields)), **self.overrides.get(method, {})}
         if method in DEFAULT_DIVERGENCE:
             settings["divergence"] = DraftSettings.model_validate(settings).divergence_for(method)
+        answers_quant = settings.pop("answers_quant")
+        if method in TARGET_PATH_METHODS:
+            settings["answers_quant"] = answers_quant or check_quant(served_quant)
         return settings
 
 
@@ -146,6 +151,10 @@ class RunConfig(ThreadsSettings):
     @property
     def layout(self) -> RunLayout:
         return RunLayout(self.run_dir, check_quant(self.export.quant))
+
+    def draft_settings(self, method: str) -> dict[str, Any]:
+        """One draft method's settings in this run: the target's answers come from the type it is served at."""
+        return self.drafts.for_method(method, self.export.quant)
 
 
 def check_paths(config: RunConfig, source: str) -> None:

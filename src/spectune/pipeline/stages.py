@@ -152,7 +152,7 @@ def draft_stage(context: Context, method: str) -> dict[str, Any]:
         draft=context.outputs[f"draft:{start}"]["model"] if start else context.outputs["base-draft"]["draft"],
         method=method,
         **train_inputs(context, context.layout.draft_dir(method)),
-        **context.config.drafts.for_method(method),
+        **context.config.draft_settings(method),
     )
     return {**train_draft(config).model_dump(mode="json"), "eval_hash": path_hash(context.layout.eval_file)}
 
@@ -307,7 +307,7 @@ def stages(config: RunConfig) -> list[Stage]:
             Stage(
                 f"draft:{method}",
                 functools.partial(draft_stage, method=method),
-                lambda c, method=method: [c.drafts.for_method(method), c.data.seed],
+                lambda c, method=method: [c.draft_settings(method), c.data.seed],
                 ("base-draft", "merge", *(f"draft:{m}" for m in [config.drafts.start_from.get(method)] if m)),
                 _train_file,
             )

@@ -39,13 +39,14 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from spectune.atomic import atomic_path
 from spectune.cache import cache_root
 from spectune.data.read import Dialogue, write_jsonl
 from spectune.errors import SpectuneError
-from spectune.export.gguf import export_model
+from spectune.export.gguf import check_quant, export_model
+from spectune.layout import DEFAULT_QUANT
 from spectune.models.load import load_tokenizer
 from spectune.models.resolve import MODEL_REFERENCE, resolve_model
 from spectune.progress import progress
@@ -73,7 +74,6 @@ from spectune.train.common import (
 from spectune.train.distill import distillation_trainer, teacher_cache
 
 Method = Literal["sft", "kd", "seqkd", "onpolicy", "speckd"]
-TEACHER_GGUF = "teacher.Q8_0.gguf"  # seqkd's target export, kept beside the draft
 TARGET_ANSWERS = "target_answers.jsonl"  # seqkd: the dialogues up to the last turn the target answered
 METHODS: tuple[Method, ...] = typing.get_args(Method)
 # TRL's generalized JSD interpolates with beta: 0 is forward KL, 1 reverse KL.
@@ -98,8 +98,19 @@ class DraftSettings(TrainSettings):
         0, ge=0, description="kd: cache the target's top-k log-probs once (0: run the target on the fly)."
     )
     answers_by: Literal["llama.cpp", "hf"] = Field(
-        "llama.cpp", description="seqkd/speckd: generate the target's answers with llama.cpp (a Q8_0 export) or HF."
+        "llama.cpp", description="seqkd/speckd: generate the target's answers with llama.cpp (a GGUF export) or HF."
     )
+    answers_quant: str | None = Field(
+        None,
+        description="seqkd/speckd by llama.cpp: the type of the target's GGUF that answers (default: the type it is "
+        f"served at, export.quant in a run, {DEFAULT_QUANT} for `spectune draft`), so the draft learns that file's "
+        "choices.",
+    )
+
+    @field_validator("answers_quant")
+    @classmethod
+    def _known_quant(cls, quant: str | None) -> str | None:
+        return None if quant is None else check_quant(quant)
 
     def divergence_for(self, method: str) -> Divergence:
         """The loss a method trains with: the setting, or the method's default."""
@@ -238,11 +249,22 @@ def only_answered(
     return kept
 
 
+def answers_type(config: DraftConfig) -> str:
+    """The type of the target's GGUF that answers: the one it is served at unless told otherwise."""
+    return config.answers_quant or DEFAULT_QUANT
+
+
+def teacher_gguf(config: DraftConfig) -> Path:
+    """seqkd's target export, kept beside the draft."""
+    return config.out / f"teacher.{answers_type(config)}.gguf"
+
+
 def answers_key(config: DraftConfig, split: tuple[list[Dialogue], list[Dialogue]]) -> str:
     """What the target's answers depend on: the target's files, how they are generated, the dialogues."""
     identity = {
         "target": model_identity(config.target),
         "settings": [config.answers_by, config.max_tokens, config.max_seq_length],
+        "type": answers_type(config) if config.answers_by == "llama.cpp" else None,
         "dialogues": [[d.messages for d in part] for part in split],
     }
     return hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:24]
@@ -263,7 +285,7 @@ def seqkd_split(
         write_jsonl(only_answered(train, prompt_tokens, config.max_seq_length), config.out / TARGET_ANSWERS)
         return train, held_out
     answer = (
-        llama_answerer(export_model(config.target, config.out / TEACHER_GGUF, "Q8_0"), config.max_tokens)
+        llama_answerer(export_model(config.target, teacher_gguf(config), answers_type(config)), config.max_tokens)
         if config.answers_by == "llama.cpp"
         else hf_answerer(teacher, tokenizer, config.max_tokens)
     )
