@@ -5,6 +5,8 @@ For every build (the installed one; others through LLAMA_CPP_LIB_PATH, e.g. the 
 GGUF with a draft that rejects (every step verifies k + 1 rows, the hard case), counts greedy answers equal to the
 target alone at k = 3, and times one-token decoding, verification r(k+1) and a 128-token prefill. Builds and settings
 run in turn within each round (interleaved); times are medians over rounds, identity counts come from the first.
+Per build and pair it also counts the prompts whose answer from the target alone differs between the two settings:
+the two "targets alone" of `spectune serve --mode speculative` (exact on) and `--mode fastest` (exact off).
 
 Usage: python benchmarks/identity.py --name smollm2_sgd --data ../shared/data/sgd/dev.jsonl \
     --pair smollm2-Q4_K_M=TARGET.gguf,DRAFT.gguf \
@@ -43,6 +45,7 @@ def answers(target: LlamaModel, draft: LlamaModel, prompts: list, max_tokens: in
     plain, speculative = SpeculativeDecoder(target), SpeculativeDecoder(target, [DraftModel(draft, target)])
     config = DecodeSettings(max_tokens=max_tokens, draft_max=DRAFT_MAX)
     identical = drafted = accepted = 0
+    alone_answers = []
     for messages in prompts:
         plain.forget()
         ids = chat_tokens(target, messages)
@@ -50,7 +53,9 @@ def answers(target: LlamaModel, draft: LlamaModel, prompts: list, max_tokens: in
         with_draft = speculative.generate(ids, config)
         identical += alone.tokens == with_draft.tokens
         drafted, accepted = drafted + with_draft.stats.drafted, accepted + with_draft.stats.accepted
-    return {"n": len(prompts), "identical": identical, "acceptance": accepted / drafted if drafted else 0.0}
+        alone_answers.append(alone.tokens)
+    acceptance = accepted / drafted if drafted else 0.0
+    return {"n": len(prompts), "identical": identical, "acceptance": acceptance, "alone_answers": alone_answers}
 
 
 def prefill_seconds(target: LlamaModel) -> float:
@@ -91,6 +96,16 @@ def run_child(spec: dict, lib: str | None) -> dict:
     if done.returncode != 0:
         sys.exit(f"child for {lib or 'the installed build'} failed:\n{done.stderr[-3000:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def modes_differ(collected: dict[str, dict[str, list]], libs: dict, pairs: dict) -> dict[str, dict[str, int]]:
+    """Per build and pair: the prompts whose target-alone answer at exact on differs from exact off's."""
+    differ: dict[str, dict[str, int]] = {}
+    for lib_name in libs:
+        for label in pairs:
+            on, off = (collected[f"{lib_name}, exact {state}"][label][0]["alone_answers"] for state in ("on", "off"))
+            differ.setdefault(lib_name, {})[label] = sum(a != b for a, b in zip(on, off, strict=True))
+    return differ
 
 
 def summarize(rounds: list[dict]) -> dict:
@@ -141,6 +156,7 @@ def main() -> None:
         "settings": {**spec, "draft_max": DRAFT_MAX, "rounds": args.rounds},
         "matrix_types": {label: dict(matrix_types(target)) for label, (target, _) in pairs.items()},
         "results": table,
+        "modes_differ": modes_differ(collected, libs, pairs),
     }
     print(markdown(report))
     write_result(f"identity_{args.name}.json", report)
@@ -164,6 +180,11 @@ def markdown(report: dict) -> str:
                 f"{row['decode_tokens_per_second']:.1f} | {row[f'verify_ratio_{DRAFT_MAX + 1}']:.2f} | "
                 f"{row[f'prefill_{PREFILL}_tokens_per_second']:.0f} | {promised} |"
             )
+    lines += ["", "The target alone at exact on vs exact off (`serve --mode speculative` vs `--mode fastest`):", ""]
+    lines += ["| build | model | answers that differ |", "|---|---|---|"]
+    for lib_name, by_pair in report.get("modes_differ", {}).items():
+        n = report["settings"]["n"]
+        lines += [f"| {lib_name} | {label} | {count}/{n} |" for label, count in by_pair.items()]
     return "\n".join(lines) + "\n"
 
 

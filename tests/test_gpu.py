@@ -155,6 +155,12 @@ def test_predict_the_story_from_the_cli(capsys):
         (["--target", "48:7e9", "--alpha", "d=1.5"], "probabilities"),
         (["--target", "48:7e9", "--drafts", "d=gemma-3-1b"], "no acceptance for d"),
         (["--floor-us", "10", "--story"], "--floor-us goes with --bandwidth"),
+        (["--bandwidth", "nan", "--story"], "finite number"),
+        (["--bandwidth", "inf", "--story"], "finite number"),
+        (["--bandwidth", "300", "--floor-us", "nan", "--story"], "finite number"),
+        (["--target", "24:inf"], "not a GGUF"),
+        (["--target", "24:nan"], "not a GGUF"),
+        (["--run", "no-such-run"], "no such folder"),
     ],
 )
 def test_predict_refuses_bad_input_saying_what(capsys, args, message):
@@ -191,3 +197,45 @@ def test_a_bench_measured_step_by_step_is_predicted_on_the_card_by_its_own_steps
     assert mixed["speedup"] == pytest.approx(by_steps)
     lookup = on_card_of_steps(card, target, None, 0.0, 2.5, [100, 100, 100], 100)
     assert lookup["c"] == 0.0 and lookup["speedup"] == pytest.approx(2.5 / verify_ratio_at(r, 4))
+
+
+def a_run(tmp_path, pair) -> tuple:
+    """A run folder as the pipeline leaves it, as far as predict reads it: its GGUFs and its acceptance report."""
+    import shutil
+
+    run = tmp_path / "run"
+    (run / "gguf").mkdir(parents=True)
+    (run / "manifest.json").write_text("{}")
+    shutil.copy(pair[0], run / "gguf" / "target.Q8_0.gguf")
+    shutil.copy(pair[1], run / "gguf" / "sft.Q8_0.gguf")
+    acceptance = {"drafts": [{"name": "sft", "alpha_by_position": {"1": 0.8, "2": 0.7, "3": 0.6}}]}
+    (run / "acceptance.json").write_text(json.dumps(acceptance))
+    return run, run / "acceptance.json"
+
+
+def test_predict_reads_a_runs_pair_and_figures_with_no_flag_more(tmp_path, pair, capsys):
+    """Before: --report RUN/acceptance.json raised KeyError: 'bytes_c', and a bench report asked for every draft's
+    shape by hand although the run folder holds every GGUF."""
+    run, acceptance = a_run(tmp_path, pair)
+    by_hand = predict(PredictConfig(target=str(pair[0]), drafts={"sft": str(pair[1])}, alpha={"sft": "0.8,0.7,0.6"}))
+    for args in (["--run", str(run)], ["--report", str(acceptance)]):
+        with pytest.raises(SystemExit) as exited:
+            main(["predict", *args])
+        assert exited.value.code == 0
+        assert f"acceptance from {acceptance}" in capsys.readouterr().out
+        result = predict(PredictConfig(report=acceptance) if "--report" in args else PredictConfig(run=run))
+        assert result["drafts"]["sft"]["speedup"] == pytest.approx(by_hand["drafts"]["sft"]["speedup"])
+    (run / "gguf" / "sft.Q8_0.gguf").unlink()
+    with pytest.raises(SystemExit) as exited:
+        main(["predict", "--run", str(run)])
+    assert exited.value.code == 2 and "--drafts sft=SPEC, or the run folder" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("content", [b"\x00\xff\xfe binary", b'{"drafts": [{"nom": 1}]}', b"[1, 2]", b'"text"'])
+def test_a_report_of_the_wrong_kind_is_one_line_and_exit_2(tmp_path, content, capsys):
+    report = tmp_path / "report.json"
+    report.write_bytes(content)
+    with pytest.raises(SystemExit) as exited:
+        main(["predict", "--target", "24:1e9", "--report", str(report)])
+    err = capsys.readouterr().err
+    assert exited.value.code == 2 and err.startswith(f"error: {report}: not a") and "Traceback" not in err

@@ -3,15 +3,18 @@
 
 from __future__ import annotations
 
+import json
+
 import httpx
 import pytest
 from conftest import run_cli, running
 
 from spectune.errors import SpectuneError
+from spectune.runtime import mode as mode_module
 from spectune.runtime.chat import chat_prompt
 from spectune.runtime.decode import DecodeSettings
 from spectune.runtime.llama import LlamaModel
-from spectune.runtime.mode import CALIBRATION_PROMPTS, DecoderSource, calibrate, choose, faster
+from spectune.runtime.mode import CALIBRATION_PROMPTS, DecoderSource, ModeChoice, calibrate, choose, faster
 from spectune.runtime.speculative import SpeculativeDecoder
 from spectune.serve.config import ServeConfig
 from spectune.serve.slots import calibration_conversations
@@ -32,9 +35,40 @@ def test_without_a_draft_the_target_alone_runs_at_llama_cpps_fastest_settings(pa
     choice, decoder = choose("auto", source_of(pair, draft=False), [], DecodeSettings())
     assert choice.mode == "fastest" and choice.speculative_tokens_per_second is None
     assert not decoder.speculators and decoder.target.exact is False
+    # --mode speculative with nothing to speculate with: the target alone at the exact settings, the "target alone"
+    # that speculative answers equal (before: the fastest settings, another target alone)
     forced, decoder = choose("speculative", source_of(pair, draft=False), [], DecodeSettings())
-    assert forced.mode == "fastest"  # nothing to speculate with: the flag cannot ask for a draft that is not there
-    assert decoder.target.exact is False
+    assert forced.mode == "speculative" and "exact settings" in forced.reason
+    assert decoder.target.exact is True and not decoder.speculators
+
+
+def test_auto_serves_what_it_recorded_whatever_a_later_timing_says(pair, monkeypatch, tmp_path):
+    """The same request to the same server gets the same answer after a restart: auto's choice is measured once per
+    pair, build, machine and settings, and served again, until --recalibrate."""
+    monkeypatch.setenv("SPECTUNE_CACHE", str(tmp_path))
+    timings = iter([("speculative", 12.0, 10.0), ("fastest", 9.0, 11.0)])
+
+    def measured(*_):
+        mode, speculative, fastest = next(timings)
+        return ModeChoice(mode, "measured here (a stand-in timing)", speculative, fastest)
+
+    monkeypatch.setattr(mode_module, "calibrate", measured)
+    first, _ = choose("auto", source_of(pair), [], DecodeSettings())
+    again, decoder = choose("auto", source_of(pair), [], DecodeSettings())
+    assert first.mode == again.mode == "speculative" and "recorded" in again.reason
+    assert decoder.target.exact is True and decoder.speculators
+    other_settings, _ = choose("auto", source_of(pair), [], DecodeSettings(max_tokens=7))
+    assert other_settings.mode == "fastest"  # another key: measured anew (the stand-in's second timing)
+    monkeypatch.setattr(mode_module, "calibrate", lambda *_: ModeChoice("fastest", "measured here", 1.0, 2.0))
+    measured_again, _ = choose("auto", source_of(pair), [], DecodeSettings(), recalibrate=True)
+    assert measured_again.mode == "fastest"
+    assert choose("auto", source_of(pair), [], DecodeSettings())[0].mode == "fastest"  # the new record
+
+
+def test_fastest_refuses_the_speculation_settings_it_would_drop(pair):
+    with pytest.raises(ValueError, match="draft_max, ngram: speculation settings, unused by --mode fastest"):
+        ServeConfig(target=pair[0], mode="fastest", draft_max=4, ngram={})
+    assert ServeConfig(target=pair[0], mode="fastest").mode == "fastest"
 
 
 def test_forced_modes_load_what_they_say(pair):
@@ -75,7 +109,7 @@ def test_the_fastest_server_says_so_and_answers_as_the_target_alone_at_those_set
         metrics = httpx.get(f"{url}/metrics").text
     assert health["mode"] == "fastest" and "no draft" in health["mode_reason"]
     assert reply["choices"][0]["message"]["content"] == expected.text
-    assert "exact off; the target alone" in reply["system_fingerprint"]
+    assert "exact off; answers=target-alone-fastest" in reply["system_fingerprint"]
     assert 'spectune_mode{mode="fastest"} 1.0' in metrics and 'spectune_mode{mode="speculative"} 0.0' in metrics
 
 
@@ -101,6 +135,16 @@ def test_generate_takes_the_mode(pair, mode, capsys):
 def test_mode_is_spectunes_own_setting(pair):
     with pytest.raises(ValueError, match="mode"):
         ServeConfig(target=pair[0], engine="llama.cpp", mode="fastest")
+
+
+def test_calibration_takes_prompts_without_answers_and_names_a_binary_file(tmp_path):
+    questions = tmp_path / "questions.jsonl"
+    questions.write_text(json.dumps({"messages": [{"role": "user", "content": "Is the shop open on Sunday?"}]}) + "\n")
+    assert calibration_conversations(questions) == [[{"role": "user", "content": "Is the shop open on Sunday?"}]]
+    binary = tmp_path / "model.bin"
+    binary.write_bytes(bytes(range(256)) * 4)
+    with pytest.raises(SpectuneError, match=r"model\.bin: not UTF-8"):
+        calibration_conversations(binary)
 
 
 def test_calibration_data_that_cannot_be_read_says_so(tmp_path):

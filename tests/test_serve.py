@@ -49,7 +49,7 @@ def test_openai_client_non_stream_and_stream_match_the_engine(server, pair, mess
     assert reply.usage.completion_tokens > 0
     # Which build and setting made the answer: the install's, exact, so identical to the target alone.
     patched = f"llama-cpp-python {patched_build()}, llamafile off"  # the install's build: the pin with spectune's patch
-    assert reply.system_fingerprint == f"{patched}; exact on; identical to the target alone"
+    assert reply.system_fingerprint == f"{patched}; exact on; answers=target-alone-exact"
     pieces, parts = [], []
     stream = client.chat.completions.create(
         model="spectune", messages=messages, max_tokens=24, stream=True, stream_options={"include_usage": True}

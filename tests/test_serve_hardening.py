@@ -15,6 +15,7 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import numpy as np
@@ -226,13 +227,14 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def serving_process(pair) -> Iterator[tuple[subprocess.Popen, str]]:
-    """`spectune serve` in its own process, ready; killed if the test leaves it running."""
+def serving_process(pair, *flags: str, **popen: Any) -> Iterator[tuple[subprocess.Popen, str]]:
+    """`spectune serve` in its own process (more `flags`; Popen's settings in `popen`), ready; killed if the test
+    leaves it running."""
     target, draft = pair
     port = free_port()
-    env = {**os.environ, "SPECTUNE_THREADS": "1"}
+    popen = {"env": {**os.environ, "SPECTUNE_THREADS": "1"}, "stderr": subprocess.PIPE} | popen
     command = [sys.executable, "-m", "spectune.cli", "serve", "--target", str(target), "--draft", str(draft)]
-    server = subprocess.Popen([*command, "--port", str(port), "--n-ctx", "4096"], env=env, stderr=subprocess.PIPE)
+    server = subprocess.Popen([*command, "--port", str(port), "--n-ctx", "4096", *flags], **popen)
     try:
         url = f"http://127.0.0.1:{port}"
         deadline = time.time() + 60
@@ -246,6 +248,7 @@ def serving_process(pair) -> Iterator[tuple[subprocess.Popen, str]]:
     finally:
         if server.poll() is None:
             server.kill()
+            server.wait()  # its descriptors are closed only once it is gone
     with socket.socket() as again:
         again.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # past the closed connections' TIME_WAIT
         again.bind(("127.0.0.1", port))  # nothing listens on the port any more

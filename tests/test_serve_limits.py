@@ -15,16 +15,21 @@ import time
 import httpx
 import pytest
 from conftest import run_cli, running
+from pydantic import ValidationError
 from test_serve import engine_answer
 from test_serve_hardening import ask, pace_generations
 
+from spectune.errors import SpectuneError
 from spectune.runtime.chat import CLAUSE_END
 from spectune.runtime.llama import LlamaModel
 from spectune.runtime.ngram import NgramDrafter, NgramSettings
 from spectune.runtime.text import TextStream
+from spectune.serve import slots as slots_module
+from spectune.serve.app import Server
 from spectune.serve.client import _turn
 from spectune.serve.config import ServeConfig
 from spectune.serve.launch import serve_in_thread
+from spectune.serve.schema import ChatRequest
 
 KEY = "sk-limits"
 
@@ -178,6 +183,30 @@ def test_clauses_end_in_the_scripts_people_speak():
     assert CLAUSE_END.search("3.5 stars") is None  # a decimal point ends nothing
 
 
+def test_an_abbreviation_ends_no_clause():
+    text = "Dr. Lee, e.g. at No. 5 St. Mark's Road. Then"
+    assert [text[: match.end()] for match in CLAUSE_END.finditer(text)] == [
+        "Dr. Lee, ",
+        "Dr. Lee, e.g. at No. 5 St. Mark's Road. ",
+    ]
+    assert CLAUSE_END.search("Casino. Open") is not None  # a word that ends like one is still a sentence's end
+
+
+def test_tool_calls_and_parts_that_are_not_text_are_refused_by_name():
+    assistant = {"role": "assistant", "content": None, "tool_calls": [{"id": "c1", "type": "function"}]}
+    with pytest.raises(ValidationError) as refused:
+        ChatRequest.model_validate({"messages": [{"role": "user", "content": "hi"}, assistant]})
+    error = refused.value.errors()[0]
+    assert error["loc"] == ("messages", 1, "tool_calls") and "tool calls are not supported" in error["msg"]
+    image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
+    with pytest.raises(ValidationError) as refused:
+        ChatRequest.model_validate({"messages": [{"role": "user", "content": [{"type": "text", "text": "a"}, image]}]})
+    error = refused.value.errors()[0]
+    assert error["loc"] == ("messages", 0, "content") and "part 1 is of type 'image_url'" in error["msg"]
+    plain = {"role": "assistant", "content": "ok", "tool_calls": []}  # none made: nothing dropped
+    assert ChatRequest.model_validate({"messages": [{"role": "user", "content": "hi"}, plain]})
+
+
 def test_lookup_trust_is_learned_per_caller():
     drafter = NgramDrafter(NgramSettings(domain=False, min_n=2, max_n=2))
     sequence = [1, 2, 3, 1, 2, 3, 1, 2]
@@ -313,3 +342,16 @@ def test_call_says_an_answer_the_server_cut_is_not_whole(capsys):
         answer, _ = _turn(client, {"messages": []}, None)
     out = capsys.readouterr().out
     assert answer == "Your table is " and "not whole" in out and "the answer was cut: " in out
+
+
+def test_slots_past_the_memory_left_are_refused_before_they_load(pair, monkeypatch):
+    """Before: 500 slots loaded one by one until memory ran out."""
+    monkeypatch.setattr(slots_module, "available_memory", lambda: 200 << 20)
+    with pytest.raises(
+        SpectuneError, match=r"--slots 8: each slot past the first needs about \d+ MiB in --mode fastest"
+    ):
+        Server(ServeConfig(target=pair[0], n_ctx=1024, threads=1, slots=8))
+    monkeypatch.setattr(slots_module, "available_memory", lambda: 64 << 30)
+    assert Server(ServeConfig(target=pair[0], n_ctx=256, threads=1, slots=2)).slots.qsize() == 2
+    with pytest.raises(ValidationError, match="slots"):
+        ServeConfig(target=pair[0], slots=500)

@@ -20,7 +20,7 @@ class Settings(BaseModel):
     """A stage's settings: the one definition of each, its default and its help (the YAML section, the stage's
     config and the CLI flags are all made from it). Unknown keys are errors."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)  # nan and inf are no setting's value
 
 
 def positional(description: str) -> dict[str, Any]:

@@ -71,6 +71,11 @@ def serve(config: ServeConfig) -> None:
     server = make_uvicorn(config, log_level="info")
     choice = server.spectune.choice
     console.print(f"decoding: {choice.mode} ({choice.reason})")
+    limits = server.spectune.connection_limits
+    console.print(
+        f"connections: at most {limits['max_connections']} (open-file limit {limits['open_file_limit']}; "
+        "past the cap the oldest without a request makes room)"
+    )
     try:
         server.run()
     except KeyboardInterrupt:  # uvicorn raises the stop signal again once it has stopped: a normal end
@@ -117,6 +122,8 @@ def predict(config: PredictConfig) -> None:
             table.add_row(name, f"{row['c']:.3f} ({row['c_band'][0]:.3f}-{row['c_band'][1]:.3f})", *cells)
         console.print(table)
         return
+    if result["report"]:
+        console.print(f"acceptance from {result['report']}", soft_wrap=True)  # a path a user copies whole
     console.print(f"target alone: {result['target_tokens_per_s']:.1f} tok/s ({_band(result['target_band'], ' tok/s')})")
     table = Table(title=f"speculative decoding on the {result['card']}, the target alone = 1.00x")
     for column in ("draft", "c (band)", "k", "τ", "speedup (band)", "tok/s"):

@@ -159,8 +159,12 @@ def extract_prompts(dialogues: Sequence[Dialogue], n: int, seed: int = 0) -> lis
 def read_prompts(path: str | Path) -> list[Prompt]:
     """Read prompts written by `write_prompts`, or take prompts from any chat dataset."""
     path = Path(path)
-    first = path.open(encoding="utf-8").readline() if path.is_file() else ""
-    if first.strip() and "reference" in json.loads(first):
+    try:
+        first = path.open(encoding="utf-8").readline() if path.is_file() else ""
+        written = first.strip() and "reference" in json.loads(first)
+    except (UnicodeDecodeError, json.JSONDecodeError):  # not a prompts file: the dataset reader says what is wrong
+        written = False
+    if written:
         rows = [json.loads(line) for line in path.open(encoding="utf-8") if line.strip()]
         return [Prompt(row["messages"], row["reference"]) for row in rows]
     return extract_prompts(read_dialogues(path).dialogues, n=10**9)

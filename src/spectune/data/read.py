@@ -118,15 +118,18 @@ def _turns(record: dict[str, Any], fmt: str) -> list[dict[str, str]]:
     return turns
 
 
-def parse_record(record: Any, fmt: str | None, system: str | None = None) -> tuple[list[dict[str, str]], str]:
-    """Turn one raw record into checked turns; returns (turns, detected format)."""
+def parse_record(
+    record: Any, fmt: str | None, system: str | None = None, need_answer: bool = True
+) -> tuple[list[dict[str, str]], str]:
+    """Turn one raw record into checked turns; returns (turns, detected format). `need_answer`: training data, where
+    a dialogue without an assistant turn has nothing to learn (prompts to answer need none)."""
     if not isinstance(record, dict):
         raise RecordError(f"wrong type: expected a JSON object, got {type(record).__name__}")
     this_fmt = detect_format(record)
     if fmt is not None and this_fmt != fmt:
         raise RecordError(f"record is in {this_fmt} format but the file is in {fmt} format")
     turns = _turns(record, this_fmt)
-    if not any(t["role"] == "assistant" for t in turns):
+    if need_answer and not any(t["role"] == "assistant" for t in turns):
         raise RecordError("no assistant turn: nothing to train on")
     if system and turns[0]["role"] != "system":
         turns.insert(0, {"role": "system", "content": system})
@@ -166,7 +169,9 @@ def _records(path: Path) -> Iterable[tuple[int, Any]]:
     return _jsonl_records(path)
 
 
-def read_dialogues(path: str | Path, *, system: str | None = None, skip_invalid: bool = False) -> ReadResult:
+def read_dialogues(
+    path: str | Path, *, system: str | None = None, skip_invalid: bool = False, need_answer: bool = True
+) -> ReadResult:
     """Read and check every record. Bad records raise (all listed at once) unless `skip_invalid`."""
     path = Path(path)
     fmt: str | None = None
@@ -179,7 +184,7 @@ def read_dialogues(path: str | Path, *, system: str | None = None, skip_invalid:
             try:
                 if isinstance(record, RecordError):
                     raise record
-                turns, fmt = parse_record(record, fmt, system)
+                turns, fmt = parse_record(record, fmt, system, need_answer)
             except RecordError as exc:
                 problems.append(Problem(str(path), str(exc), number, exc.field))
                 continue

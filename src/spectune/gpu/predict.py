@@ -3,6 +3,7 @@
 A pair's members are given as GGUFs, HF model folders, LAYERS:BYTES, or shapes named in published.yaml; acceptance
 comes from a run's acceptance report (α at every draft position), a `spectune bench` report (τ and the tokens each
 step drafted, as measured), or by hand (`--alpha NAME=0.8` or `NAME=0.9,0.8,0.7` by position, the last repeated).
+A run folder (`--run`, or a report inside one) gives its exported GGUFs as the members and its report as acceptance.
 """
 
 from __future__ import annotations
@@ -11,11 +12,13 @@ import json
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, Field
+from pydantic import Field
 
+from spectune.config import Settings
 from spectune.errors import SpectuneError
 from spectune.gpu.card import Band, GpuCard, card_named, custom_card, reference_card
 from spectune.gpu.published import published
+from spectune.layout import TARGET, RunLayout
 from spectune.runtime.profile import gguf_weights
 from spectune.runtime.registry import Variant
 from spectune.speedup import (
@@ -31,7 +34,7 @@ from spectune.speedup import (
 STORY_GOALS = (1.7, 2.2)  # the reference story's mean and best speedups
 
 
-class PredictConfig(BaseModel):
+class PredictConfig(Settings):
     """Everything `spectune predict` takes."""
 
     card: str | None = Field(None, description="A card of the published table (default: the reference story's).")
@@ -41,6 +44,9 @@ class PredictConfig(BaseModel):
     drafts: dict[str, str] = Field(default_factory=dict, description="Drafts by name, each given as the target is.")
     alpha: dict[str, str] = Field(default_factory=dict, description="Acceptance by hand: NAME=a1,a2,... by position.")
     report: Path | None = Field(None, description="An acceptance report (acceptance.json) or a bench report.")
+    run: Path | None = Field(
+        None, description="A `spectune run` folder: its GGUFs are the pair, its bench (else acceptance) report the α."
+    )
     story: bool = Field(False, description="The reference story's check and what each draft shape must reach.")
 
 
@@ -58,8 +64,9 @@ def shape_weights(spec: str) -> Weights:
         return _folder_weights(path)
     layers, sep, size = spec.partition(":")
     try:
-        weights = Weights(total=round(float(size)), embedding=0, rows=1, tied=False, layers=int(layers))
-    except ValueError:
+        total = float(size)
+        weights = Weights(total=round(total), embedding=0, rows=1, tied=False, layers=int(layers))
+    except (ValueError, OverflowError):  # not numbers, or an infinite size
         weights = None
     if not sep or weights is None or weights.layers < 1 or weights.total <= 0:
         raise SpectuneError(
@@ -106,15 +113,26 @@ def report_acceptance(path: Path) -> dict[str, dict[str, Any]]:
     """Per draft: {"alphas": [...]} from an acceptance report, or {"tau", "drafted", "bytes_c"} from a bench report."""
     try:
         loaded = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as error:
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
         raise SpectuneError(f"{path}: not a readable JSON report ({error})") from error
+    try:
+        return _acceptance_of(loaded)
+    except (KeyError, TypeError, ValueError, AttributeError) as error:
+        raise SpectuneError(f"{path}: not a report spectune wrote ({type(error).__name__}: {error})") from error
+
+
+def _acceptance_of(loaded: Any) -> dict[str, dict[str, Any]]:
+    if not isinstance(loaded, dict):
+        raise ValueError("the top level is not an object")
     if isinstance(loaded.get("drafts"), list):  # acceptance.json
+        rows = [row for row in loaded["drafts"] if row.get("alpha_by_position")]
+        if not rows:
+            raise ValueError("an acceptance report with no draft's alpha_by_position")
         return {
             row["name"]: {
                 "alphas": [row["alpha_by_position"][key] for key in sorted(row["alpha_by_position"], key=int)]
             }
-            for row in loaded["drafts"]
-            if row.get("alpha_by_position")
+            for row in rows
         }
     if isinstance(loaded.get("summary"), dict):  # a bench report, and the steps it made where it has its rows
         rows = loaded.get("prompts", [])
@@ -127,7 +145,53 @@ def report_acceptance(path: Path) -> dict[str, dict[str, Any]]:
             }
             for name, s in loaded["summary"].items()
         }
-    raise SpectuneError(f"{path}: neither an acceptance report (drafts) nor a bench report (summary)")
+    raise ValueError("neither an acceptance report (drafts) nor a bench report (summary)")
+
+
+def run_of_report(report: Path) -> Path | None:
+    """The run folder a report lies in (acceptance.json at its top, a bench report in bench/), if it does."""
+    for folder in (report.parent, report.parent.parent):
+        if (folder / "manifest.json").is_file() and RunLayout(folder).gguf_dir.is_dir():
+            return folder
+    return None
+
+
+def run_members(run: Path) -> tuple[Path, dict[str, Path]]:
+    """A run's exported target and drafts (gguf/NAME.TYPE.gguf at the target's type): no shape to give by hand."""
+    layout = RunLayout(run)
+    targets = sorted(layout.gguf_dir.glob(f"{TARGET}.*.gguf"))
+    if len(targets) != 1:
+        found = "none" if not targets else ", ".join(path.name for path in targets)
+        raise SpectuneError(f"{layout.gguf_dir}: expected one exported target GGUF, found {found} (has it exported?)")
+    quant = targets[0].name.removeprefix(f"{TARGET}.").removesuffix(".gguf")
+    drafts = {path.name.split(".")[0]: path for path in layout.gguf_dir.glob(f"*.{quant}.gguf") if path != targets[0]}
+    return targets[0], drafts
+
+
+def run_report(run: Path) -> Path:
+    """A run's bench report (τ as measured in llama.cpp), else its acceptance report (α offline)."""
+    layout = RunLayout(run)
+    for report in (layout.bench_dir / "report.json", layout.acceptance):
+        if report.is_file():
+            return report
+    raise SpectuneError(f"{run}: neither bench/report.json nor acceptance.json (has the run measured its drafts?)")
+
+
+def with_run(config: PredictConfig) -> PredictConfig:
+    """The config with what a run folder gives filled in where the flags say nothing: its report, target, drafts."""
+    run = config.run or (run_of_report(config.report) if config.report else None)
+    if run is None:
+        return config
+    if not run.is_dir():
+        raise SpectuneError(f"--run {run}: no such folder")
+    target, drafts = run_members(run)
+    return config.model_copy(
+        update={
+            "report": config.report or run_report(run),
+            "target": config.target or str(target),
+            "drafts": {name: str(path) for name, path in drafts.items()} | config.drafts,
+        }
+    )
 
 
 def best_k(
@@ -202,8 +266,10 @@ def draft_row(
         draft, share = None, 0.0
     elif name in drafts:
         draft, share = drafts[name], 1.0
-    else:
+    elif "bytes_c" in acceptance:
         draft, share = _bench_draft(name, acceptance["bytes_c"], target, drafts)
+    else:
+        raise SpectuneError(f"{name}: give the draft's shape, --drafts {name}=SPEC, or the run folder, --run RUN")
     if "alphas" in acceptance:  # α by position: the k that pays best on the card
         cost = card.cost_ratio(draft, target) * share if draft else 0.0
         k, tau, _ = best_k(card, acceptance["alphas"], cost, target)
@@ -265,8 +331,9 @@ def predict(config: PredictConfig) -> dict[str, Any]:
         card = card_named(config.card) if config.card else reference_card()
     if config.story:
         return {"label": card.label, "story": story_check(card)}
+    config = with_run(config)
     if config.target is None:
-        raise SpectuneError("give --target (and drafts with acceptance), or --story")
+        raise SpectuneError("give --target (and drafts with acceptance), --run RUN, or --story")
     target = shape_weights(config.target)
     acceptance = report_acceptance(config.report) if config.report else {}
     acceptance |= {name: {"alphas": _alphas(text, name)} for name, text in config.alpha.items()}
@@ -278,6 +345,7 @@ def predict(config: PredictConfig) -> dict[str, Any]:
     speed, band = card.tokens_per_s(target)
     return {
         "label": card.label,
+        "report": str(config.report) if config.report else None,
         "card": card.name,
         "target_tokens_per_s": speed,
         "target_band": band,

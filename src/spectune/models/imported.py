@@ -146,9 +146,12 @@ def import_gguf(gguf: Path, out: Path) -> Path:
     """A GGUF file -> an HF folder (config, safetensors, tokenizer with its chat template), written atomically."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as transformers_logging
 
     if not gguf.is_file():
         raise SpectuneError(f"{gguf}: no such GGUF file")
+    # the dequantizing and loading bars are noise in a verb's output (the verb prints what it made)
+    transformers_logging.disable_progress_bar()
     source = {"pretrained_model_name_or_path": str(gguf.parent), "gguf_file": gguf.name}
     try:
         tokenizer = AutoTokenizer.from_pretrained(**source)

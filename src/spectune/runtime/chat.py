@@ -12,8 +12,11 @@ from spectune.runtime.llama import LlamaModel
 
 # Where a clause ends: what a voice bot's TTS can speak without waiting for more (the server's sentence chunking,
 # the bench's time to first sentence): Latin punctuation before a space or the end, and the full-width CJK marks
-# (。！？；：，、), Arabic's (، ؛ ؟) and the Devanagari danda (।), which need no space after them.
-CLAUSE_END = re.compile(r"[.!?;:,](\s|$)|[。！？；：，、،؛؟।]")
+# (。！？；：，、), Arabic's (، ؛ ؟) and the Devanagari danda (।), which need no space after them. A period after an
+# abbreviation that a sentence goes on after ("e.g.", "Dr.", "No. 5") ends nothing.
+ABBREVIATIONS = ("e.g", "i.e", "Dr", "Mr", "Mrs", "Ms", "Mx", "Prof", "St", "Mt", "No", "vs", "Jr", "Sr", "approx")
+_AFTER_NO_ABBREVIATION = "".join(rf"(?<!\b{re.escape(word)})" for word in ABBREVIATIONS)
+CLAUSE_END = re.compile(rf"(?:[!?;:,]|{_AFTER_NO_ABBREVIATION}\.)(\s|$)|[。！？；：，、،؛؟।]")
 # Where a message's content stood in the rendered template (chat_tokens).
 _MARKER = re.compile(r"\x01(\d+)\x02")
 # HF's assistant-mask markers are a transformers extension of Jinja; rendering for inference ignores them.

@@ -145,6 +145,14 @@ class LlamaModel:
     def close(self) -> None:
         self._finalizer()
 
+    def memory_bytes(self) -> int:
+        """What one more load of this model costs in memory, about: its f16 KV cache for n_ctx, and its weights again
+        where they are repacked (exact off: a copy per load; exact: mmapped pages every load shares)."""
+        lib, model = self.lib, self.model
+        head_dim = self.n_embd // max(1, lib.llama_model_n_head(model))
+        kv = 2 * 2 * self.n_ctx * lib.llama_model_n_layer(model) * lib.llama_model_n_head_kv(model) * head_dim
+        return kv + (0 if self.exact else self.path.stat().st_size)
+
     def metadata(self, key: str) -> str | None:
         """A GGUF metadata value as text, whatever its length (chat templates run to tens of kB)."""
         length = self.lib.llama_model_meta_val_str(self.model, key.encode(), None, 0)  # snprintf-style: the size

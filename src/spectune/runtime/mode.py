@@ -7,19 +7,32 @@ fastest settings (repacked weights, flash attention as llama.cpp chooses) answer
 target's own answer by construction: nothing speculates. So `auto` measures both on a few prompts at start and
 serves the faster; `speculative` and `fastest` force one. The tiled K-quant matmul stays off in either mode (it is
 process-wide: runtime/llama.py), which touches batched prefill only, not the one-token decode compared here.
+
+The two modes answer as two different "targets alone": at near-ties the fastest kernels round a logit otherwise and
+pick another token (6 of 300 demo prompts). So what `auto` chose is recorded (the user cache, keyed by the pair's
+files, the build, the machine and the settings) and served again at every later start: a noisy timing decides once,
+and the same request to the same server gets the same answer after a restart. `--recalibrate` measures again.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
+import json
+import platform
+import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
+from spectune.atomic import atomic_path
+from spectune.cache import cache_root
 from spectune.config import Settings
+from spectune.runtime.build import build_name
 from spectune.runtime.chat import chat_tokens
 from spectune.runtime.decode import DecodeSettings
 from spectune.runtime.draft_model import DRAFT
@@ -31,6 +44,8 @@ Mode = Literal["auto", "speculative", "fastest"]
 Chosen = Literal["speculative", "fastest"]
 CALIBRATION_TOKENS = 32  # per prompt and round: enough steps for the draft's acceptance to show
 CALIBRATION_ROUNDS = 2  # measured rounds after a short warm-up; the quicker round counts (a stall only slows)
+# What only a speculating decoder reads: `--mode fastest` (the target alone) refuses them rather than drop them.
+SPECULATION_SETTINGS = frozenset({"draft_max", "adaptive", "first_words", "ngram", "ngram_data", "speculators"})
 # A phone assistant's first questions, where no task data is given (--calibration-data, or a run's eval set).
 CALIBRATION_PROMPTS = (
     "Hi, I'd like to book a table for two tomorrow evening. What times do you have?",
@@ -44,10 +59,28 @@ class ModeSettings(Settings):
 
     mode: Mode = Field(
         "auto",
-        description="speculative: target + draft at the exact settings (answers identical to the target alone's); "
-        "fastest: the target alone at llama.cpp's fastest settings; auto: whichever decodes faster here, measured "
-        "at start (the target alone is always fastest).",
+        description="speculative: target + draft at the exact settings (answers identical to the target alone's at "
+        "those settings; with no draft, that target alone); fastest: the target alone at llama.cpp's fastest "
+        "settings; auto: whichever decodes faster here, measured at the first start and recorded for the next "
+        "(the target alone is always fastest).",
     )
+    recalibrate: bool = Field(
+        False, description="--mode auto: measure again rather than serve the choice recorded for this pair here."
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _nothing_dropped_when_fastest(cls, values: Any) -> Any:
+        """What the user gave (flags, YAML), before a run's pair fills anything in."""
+        if isinstance(values, dict) and values.get("mode") == "fastest":
+            given = sorted(name for name in SPECULATION_SETTINGS if values.get(name) not in (None, []))  # {}: on
+            if given:
+                raise ValueError(
+                    f"{', '.join(given)}: speculation settings, unused by --mode fastest (the target alone); leave "
+                    "them out, or use --mode speculative or auto"
+                )
+        return values
+
     calibration_data: Path | None = Field(
         None,
         description="Chat dataset whose first prompts --mode auto measures (default: a run's eval set, else three "
@@ -62,6 +95,14 @@ class ModeChoice:
     # Measured decode speeds (tokens after the first over their seconds), where auto measured them.
     speculative_tokens_per_second: float | None = None
     fastest_tokens_per_second: float | None = None
+
+
+def answer_class(mode: Chosen, exact: bool) -> str:
+    """Which "target alone" a decoder's answers equal (system_fingerprint says it): the exact settings' or the
+    fastest's; speculation with exact off promises neither."""
+    if mode == "fastest":
+        return "answers=target-alone-fastest"
+    return "answers=target-alone-exact" if exact else "answers=not-guaranteed"
 
 
 def faster(speculative_tokens_per_second: float, fastest_tokens_per_second: float) -> Chosen:
@@ -102,28 +143,45 @@ def choose(
     conversations: list[list[dict[str, str]]],
     decoding: DecodeSettings,
     log: Callable[[str], None] = lambda _: None,
+    recalibrate: bool = False,
 ) -> tuple[ModeChoice, SpeculativeDecoder]:
-    """The mode to decode in, and a decoder loaded in it. auto measures both on `conversations` (the loser's models
-    are freed); the target alone, with no draft nor lookup, is the fastest mode with nothing to measure."""
-    if not source.speculates:
+    """The mode to decode in, and a decoder loaded in it. auto serves what it recorded for this pair here, else
+    measures both on `conversations` (the loser's models are freed) and records the choice; the target alone, with
+    no draft nor lookup, is the fastest mode with nothing to measure unless the exact settings are asked for."""
+    if not source.speculates and requested == "speculative":
+        choice = ModeChoice("speculative", "--mode speculative, no draft nor lookup: the target alone, exact settings")
+    elif not source.speculates:
         choice = ModeChoice("fastest", "no draft nor lookup: the target alone, at llama.cpp's fastest settings")
     elif requested != "auto":
         choice = ModeChoice(requested, f"--mode {requested}")
     else:
-        decoders = {mode: source.load(mode) for mode in ("speculative", "fastest")}
-        # On a thread of its own that then ends: llama.cpp's OpenMP build keeps a team of worker threads per calling
-        # thread, and a team left on this thread outnumbered the cores beside each request thread's own, so OpenMP
-        # spun less at its barriers: the Qwen 1.5B was served at 26-30 tok/s after it, 37-41 without.
-        with ThreadPoolExecutor(max_workers=1) as pool:
-            choice = pool.submit(
-                calibrate, decoders["speculative"], decoders["fastest"], conversations, decoding
-            ).result()
-        loser = decoders.pop("fastest" if choice.mode == "speculative" else "speculative")
-        close(loser)
-        log(f"mode auto -> {choice.mode} ({choice.reason})")
-        return choice, decoders[choice.mode]
+        record = recorded_choice_file(source, conversations, decoding)
+        recorded = None if recalibrate else read_recorded(record)
+        if recorded is None:
+            return measure_and_record(source, conversations, decoding, record, log)
+        choice = recorded
     log(f"mode {choice.mode} ({choice.reason})")
     return choice, source.load(choice.mode)
+
+
+def measure_and_record(
+    source: DecoderSource,
+    conversations: list[list[dict[str, str]]],
+    decoding: DecodeSettings,
+    record: Path,
+    log: Callable[[str], None],
+) -> tuple[ModeChoice, SpeculativeDecoder]:
+    """auto's first start: both modes loaded and measured, the loser freed, the choice recorded for the next."""
+    decoders = {mode: source.load(mode) for mode in ("speculative", "fastest")}
+    # On a thread of its own that then ends: llama.cpp's OpenMP build keeps a team of worker threads per calling
+    # thread, and a team left on this thread outnumbered the cores beside each request thread's own, so OpenMP
+    # spun less at its barriers: the Qwen 1.5B was served at 26-30 tok/s after it, 37-41 without.
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        choice = pool.submit(calibrate, decoders["speculative"], decoders["fastest"], conversations, decoding).result()
+    close(decoders.pop("fastest" if choice.mode == "speculative" else "speculative"))
+    write_recorded(record, choice)
+    log(f"mode auto -> {choice.mode} ({choice.reason})")
+    return choice, decoders[choice.mode]
 
 
 def close(decoder: SpeculativeDecoder) -> None:
@@ -165,3 +223,60 @@ def calibrate(
         f"llama.cpp's fastest settings {best['fastest']:.1f} tok/s"
     )
     return ModeChoice(chosen, reason, best["speculative"], best["fastest"])
+
+
+def _file_identity(path: Path | None) -> list[Any] | None:
+    if path is None:
+        return None
+    stat = Path(path).stat()
+    return [str(Path(path).resolve()), stat.st_size, stat.st_mtime_ns]
+
+
+def machine_name() -> str:
+    """The CPU's model name where the system says it, else its architecture: a choice measured on one machine is not
+    another's."""
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.is_file():
+        for line in cpuinfo.read_text(errors="replace").splitlines():
+            if line.startswith("model name"):
+                return line.partition(":")[2].strip()
+    return platform.machine()
+
+
+def recorded_choice_file(
+    source: DecoderSource, conversations: list[list[dict[str, str]]], decoding: DecodeSettings
+) -> Path:
+    """Where auto's choice for this pair, build, machine and settings is recorded."""
+    key = {
+        "target": _file_identity(source.target),
+        "draft": _file_identity(source.draft),
+        "lookups": list(source.lookups),
+        "n_ctx": source.n_ctx,
+        "threads": source.threads,
+        "exact": source.exact,
+        "build": build_name(),
+        "machine": machine_name(),
+        "prompts": conversations,
+        "decoding": decoding.model_dump(mode="json"),
+    }
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:20]
+    return cache_root() / "modes" / f"{digest}.json"
+
+
+def read_recorded(path: Path) -> ModeChoice | None:
+    """A recorded choice, or None where there is none (or it cannot be read: then it is measured again)."""
+    try:
+        loaded = json.loads(path.read_text())
+        choice = ModeChoice(**loaded["choice"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    if choice.mode not in ("speculative", "fastest"):
+        return None
+    reason = f"{choice.reason}; recorded {loaded.get('recorded', '?')} and served again (--recalibrate measures anew)"
+    return dataclasses.replace(choice, reason=reason)
+
+
+def write_recorded(path: Path, choice: ModeChoice) -> None:
+    recorded = {"recorded": time.strftime("%Y-%m-%d %H:%M"), "choice": dataclasses.asdict(choice)}
+    with atomic_path(path) as tmp:
+        tmp.write_text(json.dumps(recorded, indent=2))

@@ -26,19 +26,16 @@ from spectune.errors import SpectuneError
 from spectune.runtime.build import identity_verdict
 from spectune.runtime.chat import CLAUSE_END, chat_tokens
 from spectune.runtime.decode import DecodeSettings
-from spectune.runtime.mode import choose
+from spectune.runtime.mode import answer_class, choose
 from spectune.runtime.stats import Stats
 from spectune.serve.config import ServeConfig
-from spectune.serve.connections import BODY_TIMED_OUT
+from spectune.serve.connections import CUT_BY_SERVER
 from spectune.serve.guard import Guard
 from spectune.serve.job import Job, cut_message, stats_json, usage
 from spectune.serve.metrics import make_metrics, mode_metrics
+from spectune.serve.refusal import error_body
 from spectune.serve.schema import ChatRequest, lone_surrogate, unsupported_parameter
-from spectune.serve.slots import Slot, calibration_conversations, decoder_source
-
-
-def error_body(status: int, message: str, kind: str, param: str | None = None) -> tuple[int, dict[str, Any]]:
-    return status, {"error": {"message": message, "type": kind, "param": param, "code": status}}
+from spectune.serve.slots import Slot, calibration_conversations, check_slot_memory, decoder_source
 
 
 class TooLarge(Exception):
@@ -69,7 +66,8 @@ class Server:
         self.slots: asyncio.Queue[Slot] = asyncio.Queue()
         source = decoder_source(config)
         conversations = calibration_conversations(config.calibration_data)
-        self.choice, first = choose(config.mode, source, conversations, self.decoding)
+        self.choice, first = choose(config.mode, source, conversations, self.decoding, recalibrate=config.recalibrate)
+        check_slot_memory(first, config.slots, self.choice.mode)
         self.slots.put_nowait(Slot(first))
         for _ in range(config.slots - 1):
             self.slots.put_nowait(Slot(source.load(self.choice.mode)))
@@ -81,12 +79,13 @@ class Server:
         self.closed = asyncio.Event()  # wakes the requests waiting for a slot when the server stops
         self.loop: asyncio.AbstractEventLoop | None = None
         self.busy_since: float | None = None  # when the last free slot was taken
+        self.connection_limits: dict[str, int] = {}  # the connection cap and the open-file limit it fits (launch)
         # OpenAI's field for "which backend configuration produced this answer": the build and the setting.
+        # Which "target alone" the answers equal: the same class whatever start-up timing picked the mode (mode.py).
         exact = config.exact and self.choice.mode == "speculative"
         verdict = identity_verdict(config.target, exact)
-        identity = "identical to the target alone" if verdict["guaranteed"] else "identity not guaranteed"
-        identity = "the target alone" if self.choice.mode == "fastest" else identity
-        self.fingerprint = f"{verdict['build']}; exact {'on' if exact else 'off'}; {identity}"
+        answers = answer_class(self.choice.mode, verdict["guaranteed"])
+        self.fingerprint = f"{verdict['build']}; exact {'on' if exact else 'off'}; {answers}"
 
     def close(self) -> None:
         """The first stop signal: cancel every generation and refuse every queued and new request (503), from any
@@ -115,6 +114,7 @@ class Server:
             "slots": self.config.slots,
             "mode": self.choice.mode,
             "mode_reason": self.choice.reason,
+            **self.connection_limits,
         }
         return (200 if status == "ok" else 503), body
 
@@ -128,10 +128,9 @@ class Server:
         limit = self.config.max_request_bytes
         try:
             body = json.loads(await read_body(request, limit))
-        except ClientDisconnect:  # hung up mid-upload, or cut by the server for its slowness: no answer can be sent
-            if request.scope.get(BODY_TIMED_OUT):
-                message = f"the request body did not arrive within {self.config.body_timeout:g} s"
-                return self.fail(408, message, "request_timeout")
+        except ClientDisconnect:  # hung up mid-upload, or cut by the connection, which answered it (408, 503)
+            if (cut := request.scope.get(CUT_BY_SERVER)) is not None:
+                return self.fail(*cut)
             return self.fail(499, "the client went away during the upload", "client_closed")
         except TooLarge:
             return self.fail(413, f"request larger than {limit} bytes", "invalid_request_error")

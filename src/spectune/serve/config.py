@@ -53,7 +53,9 @@ class ServeConfig(DecodeSettings, ModeSettings, LlamaSettings, SpeculatorSetting
     run: Path | None = Field(None, description="A finished `spectune run` folder: serve its chosen pair and k.")
     host: str = Field("127.0.0.1", description="Bind address (loopback by default).")
     port: int = Field(8000, ge=0, le=65535, description="Port.")
-    slots: int = Field(1, ge=1, description="Concurrent generations (each its own contexts).")
+    slots: int = Field(
+        1, ge=1, le=256, description="Concurrent generations (each its own contexts; refused past the memory left)."
+    )
     queue_timeout: float = Field(30.0, gt=0, description="Seconds a request may wait for a slot, then 503.")
     api_key: str | None = Field(None, min_length=1, description="Require this bearer token (also $SPECTUNE_API_KEY).")
     max_request_bytes: int = Field(1 << 20, ge=1024, description="Largest request body (413 past it).")

@@ -52,7 +52,7 @@ def generate(
     if config.prompt is None and not config.chat:
         raise SpectuneError("give --prompt TEXT or --chat")
     conversations = calibration_conversations(config.calibration_data)
-    _, decoder = choose(config.mode, decoder_source(config), conversations, config.decoding(), log)
+    _, decoder = choose(config.mode, decoder_source(config), conversations, config.decoding(), log, config.recalibrate)
     model = decoder.target
     prompt = config.prompt
     messages = [{"role": "system", "content": config.system}] if config.system else []

@@ -5,20 +5,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import logging
 from typing import TYPE_CHECKING, Any
+
+from spectune.serve.refusal import authorized
 
 if TYPE_CHECKING:  # the server holds the guard's settings and its counters; it imports this module
     from spectune.serve.app import Server
 
 log = logging.getLogger("spectune.serve")
-
-
-def authorized(header: str | None, key: str) -> bool:
-    """`Authorization: Bearer KEY`, the scheme in any case, the key compared in constant time."""
-    scheme, _, given = (header or "").partition(" ")
-    return scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(), key.encode())
 
 
 class Guard:

@@ -13,7 +13,7 @@ import uvicorn
 from spectune.engines.llama_server import free_port
 from spectune.serve.app import Server, create_app
 from spectune.serve.config import ServeConfig
-from spectune.serve.connections import guarded_protocol
+from spectune.serve.connections import fit_connections, guarded_protocol
 
 
 class SpectuneUvicorn(uvicorn.Server):
@@ -42,11 +42,16 @@ class SpectuneUvicorn(uvicorn.Server):
 def make_uvicorn(config: ServeConfig, host: str | None = None, port: int | None = None, **options: Any) -> Any:
     """The spectune app in uvicorn with the server's connection limits."""
     app = create_app(config)
-    closed = app.state.server.metrics["connections_closed"]
+    server = app.state.server
+    # after the models are loaded: their descriptors are counted as open
+    cap, file_limit = fit_connections(config.max_connections, "max_connections" in config.model_fields_set)
+    server.connection_limits = {"max_connections": cap, "open_file_limit": file_limit}
+    closed = server.metrics["connections_closed"]
     protocol = guarded_protocol(
         config.header_timeout,
         config.body_timeout,
-        config.max_connections,
+        cap,
+        config.api_key,
         lambda reason: closed.labels(reason=reason).inc(),
     )
     settings = uvicorn.Config(
@@ -58,7 +63,7 @@ def make_uvicorn(config: ServeConfig, host: str | None = None, port: int | None 
         timeout_keep_alive=config.keep_alive,
         **options,
     )
-    return SpectuneUvicorn(settings, app.state.server)
+    return SpectuneUvicorn(settings, server)
 
 
 def serve_in_thread(config: ServeConfig, host: str = "127.0.0.1") -> tuple[Any, threading.Thread, str]:

@@ -35,8 +35,9 @@ def make_metrics(registry: CollectorRegistry) -> dict[str, Any]:
         "queue": Gauge("spectune_queue_depth", "Requests waiting for a slot", registry=registry),
         "connections_closed": Counter(
             "spectune_connections_closed",
-            "Connections the server closed: header_timeout, body_timeout, evicted (the oldest without a request, to "
-            "make room past max_connections), full, answered_before_body",
+            "Connections the server closed: header_timeout, body_timeout (answered 408), evicted (the oldest without "
+            "a request, to make room past max_connections; an upload answered 503), full, answered_before_body, "
+            "shutdown (an upload answered 503 at the stop)",
             ["reason"],
             registry=registry,
         ),

@@ -77,6 +77,25 @@ class Message(BaseModel):
     # "developer" is the OpenAI SDK's current name for the system role.
     role: Literal["system", "developer", "user", "assistant"]
     content: str | list[TextPart] | None = None  # OpenAI also takes a list of text parts
+    # Refused, as `tools` is: an assistant's tool calls dropped would leave the model a conversation that never was.
+    tool_calls: list[Any] | None = None
+
+    @field_validator("tool_calls")
+    @classmethod
+    def _no_tool_calls(cls, value: list[Any] | None) -> None:
+        if value:
+            raise ValueError("tool calls are not supported by this server (it takes no tools)")
+        return None
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_parts_only(cls, value: Any) -> Any:
+        """A part that is not text (an image, audio) named by its index and type, not by pydantic's union branches."""
+        for index, part in enumerate(value if isinstance(value, list) else []):
+            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+            if kind != "text":
+                raise ValueError(f"part {index} is of type {kind!r}: this server takes text parts only")
+        return value
 
     @field_validator("content")
     @classmethod

@@ -5,8 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from spectune.data.prepare import read_prompts
-from spectune.data.read import assistant_turns
+from spectune.data.read import assistant_turns, read_dialogues
 from spectune.errors import SpectuneError
 from spectune.runtime.llama import LlamaModel
 from spectune.runtime.mode import CALIBRATION_PROMPTS, DecoderSource
@@ -29,14 +28,46 @@ class Slot:
         self.owner = caller
 
 
+SLOT_OVERHEAD_BYTES = 64 << 20  # a slot's compute buffers and logits, beside its caches and weights
+MEMORY_HEADROOM = 0.9  # of the memory available: what the slots may take, leaving the rest to the system
+
+
+def available_memory() -> int | None:
+    """MemAvailable from /proc/meminfo, in bytes (None where the system does not say)."""
+    meminfo = Path("/proc/meminfo")
+    if not meminfo.is_file():
+        return None
+    for line in meminfo.read_text().splitlines():
+        if line.startswith("MemAvailable:"):
+            return int(line.split()[1]) * 1024
+    return None
+
+
+def check_slot_memory(first: SpeculativeDecoder, slots: int, mode: str) -> None:
+    """Refuse, before loading them, more slots than the memory left holds (each its caches, and in the fastest
+    mode its repacked weights), naming the numbers; measured off the first slot's models."""
+    each = SLOT_OVERHEAD_BYTES + sum(model.memory_bytes() for model in [first.target, *first.speculators.models])
+    need, available = (slots - 1) * each, available_memory()
+    if available is not None and need > MEMORY_HEADROOM * available:
+        mib = 1 << 20
+        raise SpectuneError(
+            f"--slots {slots}: each slot past the first needs about {each // mib} MiB in --mode {mode} (its KV caches"
+            f"{', its repacked weights' if mode == 'fastest' else ''}); {slots - 1} need {need // mib} MiB and "
+            f"{available // mib} MiB is available: lower --slots or --n-ctx"
+        )
+
+
 def calibration_conversations(data: Path | None, count: int = len(CALIBRATION_PROMPTS)) -> list[list[dict[str, str]]]:
     """What --mode auto measures: the first prompts of a chat dataset, or the built-in phone questions."""
     if data is None:
         return [[{"role": "user", "content": question}] for question in CALIBRATION_PROMPTS]
-    conversations = [prompt.messages for prompt in read_prompts(data)[:count]]
+    conversations = []
+    for dialogue in read_dialogues(data, need_answer=False).dialogues:  # answered or not: each up to its last question
+        users = [index for index, turn in enumerate(dialogue.messages) if turn["role"] == "user"]
+        conversations += [dialogue.messages[: users[-1] + 1]] if users else []
     if not conversations:
-        raise SpectuneError(f"{data}: no prompt to measure --mode auto on (a chat dataset ending in a user turn)")
-    return conversations
+        raise SpectuneError(f"{data}: no prompt to measure --mode auto on (a chat dataset with a user turn)")
+    return conversations[:count]
 
 
 def decoder_source(config: ServeConfig) -> DecoderSource:
