@@ -64,8 +64,7 @@ def shape_weights(spec: str) -> Weights:
         return _folder_weights(path)
     layers, sep, size = spec.partition(":")
     try:
-        total = float(size)
-        weights = Weights(total=round(total), embedding=0, rows=1, tied=False, layers=int(layers))
+        weights = Weights(total=round(float(size)), embedding=0, rows=1, tied=False, layers=int(layers))
     except (ValueError, OverflowError):  # not numbers, or an infinite size
         weights = None
     if not sep or weights is None or weights.layers < 1 or weights.total <= 0:
