@@ -25,7 +25,8 @@ from conftest import running
 from spectune.errors import SpectuneError
 from spectune.export.gguf import export_model
 from spectune.runtime.chat import chat_tokens
-from spectune.runtime.llama import LlamaModel
+from spectune.runtime.decode import DecodeSettings
+from spectune.runtime.llama import DecodeAborted, LlamaModel
 from spectune.runtime.speculative import Generation, SpeculativeDecoder, Stats
 from spectune.serve.app import TooLarge, read_body
 from spectune.serve.config import ServeConfig
@@ -672,3 +673,20 @@ def test_a_benchmark_client_gets_the_answer_lengths_it_pins(pair, micro_pair, tm
     requests = json.loads((tmp_path / "guidellm.json").read_text())["benchmarks"][0]["requests"]
     assert len(requests["successful"]) == 4 and not requests["errored"] and not requests["incomplete"]
     assert [request["output_tokens"] for request in requests["successful"]] == [12] * 4
+
+
+def test_abort_cuts_a_decode_in_progress_and_every_later_one(pair, messages):
+    """A stopping server waited for the prefill batch in progress (512 tokens: seconds on a 1.5B here); abort cuts
+    it inside, between graph nodes, keeps the whole batches before it cached, and refuses every later decode."""
+    model = LlamaModel(pair[0], n_ctx=4096, threads=1)
+    tokens = model.tokenize("please book a table for two " * 600)[:4000]
+    threading.Timer(0.0, model.abort).start()
+    with pytest.raises(DecodeAborted):
+        model.decode(tokens, 0, all_logits=False)
+    assert len(model.cached) < len(tokens) and len(model.cached) % model.n_batch == 0
+    with pytest.raises(DecodeAborted):
+        model.decode(tokens[:1], len(model.cached))
+    fresh = SpeculativeDecoder(LlamaModel(pair[0], n_ctx=512, threads=1))
+    fresh.abort()  # a generation whose models are aborted ends cancelled, whatever step it is at
+    generation = fresh.generate(chat_tokens(fresh.target, messages), DecodeSettings(max_tokens=8))
+    assert generation.stats.finish_reason == "cancelled" and generation.tokens == []

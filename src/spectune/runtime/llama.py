@@ -24,12 +24,32 @@ from pathlib import Path
 
 import numpy as np
 
+from spectune.cache import compiled_library
 from spectune.errors import SpectuneError
 from spectune.runtime.build import build_features, read_gguf
 from spectune.runtime.layer_inputs import shim
 from spectune.threads import DEFAULT_N_CTX, thread_count
 
 _backend_ready = False
+ABORT_SOURCE = Path(__file__).with_name("abort_flag.c")
+DECODE_ABORTED = 2  # llama_decode's status when the abort callback said stop
+
+
+class DecodeAborted(SpectuneError):
+    """A decode cut short by LlamaModel.abort (the server is stopping)."""
+
+
+@functools.cache  # one compiled function per process
+def abort_check() -> object | None:
+    """abort_flag.c's function as llama.cpp's abort callback, or None where no C compiler can build it (then a
+    stopping server waits for the batch in progress, as before)."""
+    import llama_cpp
+
+    try:
+        library = ctypes.CDLL(str(compiled_library(ABORT_SOURCE, "cc", [])))
+    except (SpectuneError, OSError):
+        return None
+    return llama_cpp.ggml_abort_callback(ctypes.cast(library.spectune_abort_requested, ctypes.c_void_p).value)
 
 
 def init_backend() -> None:
@@ -110,6 +130,7 @@ class LlamaModel:
         self.eos = llama_cpp.llama_vocab_eos(self.vocab)
         self.adds_bos = bool(llama_cpp.llama_vocab_get_add_bos(self.vocab))  # what llama.cpp's tools do to a prompt
         self.threads = thread_count(threads)
+        self._abort_requested = ctypes.c_bool(False)  # read by abort_flag.c between graph nodes
         context_params = self._context_params(n_ctx, n_batch, exact)
         if self.is_head and beside is not None:
             context_params.ctx_other = beside.ctx
@@ -140,10 +161,18 @@ class LlamaModel:
         params.n_threads = params.n_threads_batch = self.threads
         if exact:
             params.flash_attn_type = self.lib.LLAMA_FLASH_ATTN_TYPE_DISABLED
+        if (check := abort_check()) is not None:
+            params.abort_callback = check
+            params.abort_callback_data = ctypes.cast(ctypes.pointer(self._abort_requested), ctypes.c_void_p)
         return params
 
     def close(self) -> None:
         self._finalizer()
+
+    def abort(self) -> None:
+        """From any thread: cut the decode in progress within a graph node, and refuse every later one
+        (DecodeAborted). For a model that will not decode again: its server is stopping."""
+        self._abort_requested.value = True
 
     def memory_bytes(self) -> int:
         """What one more load of this model costs in memory, about: its f16 KV cache for n_ctx, and its weights again
@@ -241,6 +270,9 @@ class LlamaModel:
                 batch.seq_id[i][0] = 0
                 batch.logits[i] = all_logits or (last_chunk and i == len(chunk) - 1)
             status = self.lib.llama_decode(self.ctx, batch)
+            if status == DECODE_ABORTED:
+                self.truncate(start + offset)  # the batches before this one stay cached, whole
+                raise DecodeAborted(f"{self.path}: decode aborted at position {start + offset}")
             if status != 0:
                 raise SpectuneError(f"llama_decode failed (status {status}) at position {start + offset}")
             if self.kept_layers:

@@ -25,7 +25,7 @@ from spectune.errors import SpectuneError
 from spectune.runtime.decode import DecodeSettings
 from spectune.runtime.draft_model import DRAFT
 from spectune.runtime.first_words import FirstWords, FirstWordsRule
-from spectune.runtime.llama import LlamaModel
+from spectune.runtime.llama import DecodeAborted, LlamaModel
 from spectune.runtime.sampling import Sampler, make_sampler
 from spectune.runtime.speculators import Proposal, Speculator, Speculators
 from spectune.runtime.stats import Stats, Step
@@ -74,6 +74,12 @@ class SpeculativeDecoder:
         self.first_words_rule = FirstWordsRule()
         self.progress = Stats()  # the running generation's statistics, as they grow (a server's live usage)
 
+    def abort(self) -> None:
+        """From any thread: cut the decode in progress in every model (the generation ends "cancelled"); no model
+        decodes again. For a server that is stopping."""
+        for model in [self.target, *self.speculators.models]:
+            model.abort()
+
     def forget(self) -> None:
         """Drop both KV caches and what the lookup learned (the next prompt shares nothing with the previous one,
         e.g. another caller's)."""
@@ -95,7 +101,10 @@ class SpeculativeDecoder:
             if not keep_going():
                 return False
             end = min(position + self.target.n_batch, len(prompt) - 1)
-            self.target.decode(prompt[position:end], position, all_logits=False)
+            try:
+                self.target.decode(prompt[position:end], position, all_logits=False)
+            except DecodeAborted:  # the server is stopping: cut inside the batch, not after it
+                return False
         stats.prefill_seconds = time.perf_counter() - start
         return True
 
@@ -155,7 +164,11 @@ class SpeculativeDecoder:
         while len(output) < config.max_tokens and len(sequence) < self.target.n_ctx:
             # The first token never waits for the draft; the first clause neither, where it comes sooner alone.
             draft = bool(output) and not alone_until_clause
-            step, step_k = self._step(sequence, len(output), k, config, sampler, draft)
+            try:
+                step, step_k = self._step(sequence, len(output), k, config, sampler, draft)
+            except DecodeAborted:  # the server is stopping (abort): the answer so far, cancelled
+                stats.finish_reason = "cancelled"
+                break
             caught_up = step.proposal.caught_up[0]
             if caught_up and DRAFT not in stats.by_source:  # the model's first proposal: what it found cached
                 stats.draft_reused_prompt_tokens = len(sequence) - caught_up

@@ -89,11 +89,13 @@ class Server:
 
     def close(self) -> None:
         """The first stop signal: cancel every generation and refuse every queued and new request (503), from any
-        thread (not from a signal handler: see SpectuneUvicorn); the generations end at their next step."""
+        thread (not from a signal handler: see SpectuneUvicorn); the generations end at their next step, a decode in
+        progress cut within a graph node (LlamaModel.abort)."""
         self.closing = True
         for job in list(self.jobs):
             job.aborted = True
             job.cancel.set()
+            job.slot.decoder.abort()  # a long prefill batch is cut within a graph node, not waited for
         if self.loop is not None and not self.loop.is_closed():
             with contextlib.suppress(RuntimeError):
                 self.loop.call_soon_threadsafe(self.closed.set)
