@@ -1,5 +1,7 @@
-"""The run's EAGLE-3 head beside its best standalone draft (by predicted GPU speedup), both decoded by llama.cpp's
-own loop (llama-speculative-simple: `--spec-type draft-eagle3` for the head, `draft-simple` for the draft), against
+"""The run's EAGLE-3 head beside its best standalone draft (by predicted GPU speedup), or, in a run with
+`drafts.assistant`, the retuned Gemma 4 MTP assistant beside the assistant as shipped (both at k = 3, the published
+draft-mtp runs' draft length), decoded by llama.cpp's own loop (llama-speculative-simple: `--spec-type` as each GGUF
+is, `draft-eagle3`, `draft-mtp` or `draft-simple`), against
 llama.cpp's target alone (llama-server, the same GGUF, threads and exact settings): identical answers, acceptance as
 llama.cpp counts it, wall-clock speed over the target alone (all tokens over all decode seconds, each prompt's
 median run), beside the acceptance stage's offline α, τ at the recommended k, c (what a step reads of the GGUFs)
@@ -10,6 +12,7 @@ are the config's bench settings.
 
 Usage: python benchmarks/eagle3.py configs/smollm2-sgd.yaml --name smollm2_sgd --methods-seqkd
        python benchmarks/eagle3.py demo:demo --name demo
+       python benchmarks/eagle3.py demo:gemma4-demo --name gemma4_demo_assistant
 """
 
 from __future__ import annotations
@@ -36,9 +39,11 @@ from spectune.runtime.llama import LlamaModel
 from spectune.runtime.registry import Variant
 from spectune.speedup import GPU_PROFILE
 from spectune.threads import thread_count
+from spectune.train.assistant import ASSISTANT
 from spectune.train.eagle3 import EAGLE3
 
 N_CTX = 4096
+MTP_DRAFT_MAX = 3  # the published draft-mtp runs' (Gemma 4 12B with its assistant, the llama.cpp PR's comment)
 
 
 def predicted_gpu(row: dict[str, Any]) -> float:
@@ -84,6 +89,10 @@ def counted_tokens(row: dict[str, Any], name: str) -> int:
     return row["variants"][TARGET]["tokens"] if variant.get("identical", True) else variant["tokens"]
 
 
+def prompt_acceptance(variants: list[dict[str, Any]]) -> list[float]:
+    return [v["accepted"] / v["drafted"] for v in variants if v.get("drafted")]
+
+
 def summary(rows: list[dict[str, Any]], name: str, baseline_seconds: float, accepted: dict[str, Any]) -> dict:
     variants = [row["variants"][name] for row in rows]
     tokens, seconds = sum(counted_tokens(row, name) for row in rows), sum(v["seconds"] for v in variants)
@@ -97,6 +106,10 @@ def summary(rows: list[dict[str, Any]], name: str, baseline_seconds: float, acce
         "over_llama_cpp_target_alone": (tokens / seconds) / (base_tokens / baseline_seconds) if seconds else 0.0,
         "identical": sum(v["identical"] for v in variants),
         "llama_cpp_acceptance": sum(v["accepted"] for v in variants) / drafted if drafted else 0.0,
+        # per prompt that drafted: what one caller sees (a long answer weighs as much as a short one)
+        "median_prompt_acceptance": statistics.median(per_prompt)
+        if (per_prompt := prompt_acceptance(variants))
+        else 0.0,
     }
     if name in accepted:
         row, k = accepted[name], str(accepted[name]["recommended_k"])
@@ -131,7 +144,6 @@ def bench_pair(
                     *(binary, target_gguf, gguf, text, k, max_tokens, threads, N_CTX),
                     exact=True,
                     lookups=variant.lookups,
-                    eagle3=variant.draft == EAGLE3,
                 )
             rows.append(prompt_row(index, rounds(runs, repeats), TARGET, max_tokens))
             line = "  ".join(f"{n} {v['tokens']}/{v['seconds']:.3f}s" for n, v in rows[-1]["variants"].items())
@@ -154,21 +166,36 @@ def result_report(rows: list[dict[str, Any]], drafts: list[str], accepted: dict[
     }
 
 
+def compared(config: Any, run: Run, outputs: dict[str, Any]) -> tuple[dict[str, tuple[Path, int]], dict[str, Any]]:
+    """The drafts to decode (GGUF and k) and the head's training figures: the retuned assistant beside the one as
+    shipped, else the EAGLE-3 head beside the best standalone draft."""
+    layout, accepted = config.layout, {row["name"]: row for row in outputs["acceptance"]["drafts"]}
+    if config.drafts.assistant is not None:
+        drafts = {name: (layout.gguf(name), MTP_DRAFT_MAX) for name in (CONTROL_DRAFT, ASSISTANT)}
+        return drafts, {"assistant_training": {key: outputs[ASSISTANT][key] for key in ("steps", "seconds")}}
+    standalone = [name for name in Context(config, run.layout, outputs).drafts() if name not in (CONTROL_DRAFT, EAGLE3)]
+    best = max(standalone, key=lambda name: predicted_gpu(accepted[name]))
+    head = outputs[EAGLE3]
+    training = {key: head[key] for key in ("steps", "seconds", "feature_seconds", "parameters")}
+    training |= {"aux_layers": head["aux_layers"], "draft_vocab_size": head["draft_vocab_size"]}
+    return {name: (layout.gguf(name), accepted[name]["recommended_k"]) for name in (best, EAGLE3)}, {
+        "eagle3_training": training
+    }
+
+
 def main() -> None:
     args = command_line(__doc__, LEAN_SWITCHES)
     config = config_from_command_line(args.config)
-    overrides: dict[str, dict[str, Any]] = {"drafts": {"eagle3": {}}} if config.drafts.eagle3 is None else {}
+    heads = config.drafts.eagle3 is not None or config.drafts.assistant is not None
+    overrides: dict[str, dict[str, Any]] = {} if heads else {"drafts": {"eagle3": {}}}
     config = config_from_command_line(args.config, lean_overrides(args, overrides))
     run = Run(config)
     outputs = run_until_acceptance(run)
     accepted = {row["name"]: row for row in outputs["acceptance"]["drafts"]}
-    standalone = [name for name in Context(config, run.layout, outputs).drafts() if name not in (CONTROL_DRAFT, EAGLE3)]
-    best = max(standalone, key=lambda name: predicted_gpu(accepted[name]))
+    drafts, training = compared(config, run, outputs)
     layout, bench, threads = config.layout, config.bench, thread_count(config.threads)
-    drafts = {name: (layout.gguf(name), accepted[name]["recommended_k"]) for name in (best, EAGLE3)}
     prompts = read_prompts(layout.eval_file)[: bench.n]
     rows = bench_pair(layout.gguf(TARGET), drafts, prompts, bench.repeats, bench.max_tokens, threads)
-    head = outputs[EAGLE3]
     result = result_report(
         rows,
         list(drafts),
@@ -176,8 +203,7 @@ def main() -> None:
         pair=run.manifest["config"]["models"],
         machine=f"{run.manifest['machine']}, {threads} threads",
         settings={"n": len(rows), "repeats": bench.repeats, "max_tokens": bench.max_tokens},
-        eagle3_training={key: head[key] for key in ("steps", "seconds", "feature_seconds", "parameters")}
-        | {"aux_layers": head["aux_layers"], "draft_vocab_size": head["draft_vocab_size"]},
+        **training,
     )
     write_result(f"eagle3_{args.name}.json", result)
     print(json.dumps({"target_alone": result["target_alone"], "drafts": result["drafts"]}, indent=2))

@@ -14,7 +14,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 # What makes a test slow: training a model, building llama.cpp's tools. `make test-fast` leaves out every test that
 # uses one of these, and the tests marked slow by hand (a model made in the test itself, a subprocess of torchrun).
-SLOW_FIXTURES = {"micro_pair", "tuned_target", "sft_draft", "pair", "llama_server"}
+SLOW_FIXTURES = {"micro_pair", "tuned_target", "sft_draft", "pair", "llama_server", "gemma4_pair"}
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
@@ -62,16 +62,18 @@ def demo_data(tmp_path_factory) -> Path:
 TRAIN = {"batch_size": 8, "max_seq_length": 256, "max_eval": 16}
 
 
+def tuned(base: Path, data: Path, out: Path) -> Path:
+    """`base` after QLoRA on `data` (100 steps), merged: an HF folder under `out`."""
+    from spectune.train.target import FinetuneConfig, MergeConfig, finetune, merge
+
+    result = finetune(FinetuneConfig(model=base, data=data, out=out, max_steps=100, lr=5e-3, **TRAIN))
+    return merge(MergeConfig(base=base, adapter=result.adapter, out=out / "merged")).model
+
+
 @pytest.fixture(scope="session")
 def tuned_target(micro_pair, demo_data, tmp_path_factory) -> Path:
     """The micro target after QLoRA on the demo data, merged (an HF folder)."""
-    from spectune.train.target import FinetuneConfig, MergeConfig, finetune, merge
-
-    out = tmp_path_factory.mktemp("target")
-    result = finetune(
-        FinetuneConfig(model=micro_pair / "target", data=demo_data, out=out, max_steps=100, lr=5e-3, **TRAIN)
-    )
-    return merge(MergeConfig(base=micro_pair / "target", adapter=result.adapter, out=out / "merged")).model
+    return tuned(micro_pair / "target", demo_data, tmp_path_factory.mktemp("target"))
 
 
 @pytest.fixture(scope="session")

@@ -56,12 +56,6 @@ def test_aux_layers_are_layer_inputs_the_target_has():
         assert all(0 <= layer < layers for layer in aux_layers(layers)) and len(aux_layers(layers)) == 3
 
 
-def test_a_head_speculates_as_draft_eagle3():
-    flags = speculation_flags(Path("h.gguf"), 4, 2, eagle3=True)
-    assert flags[flags.index("--spec-type") + 1] == "draft-eagle3"
-    assert speculation_flags(Path("d.gguf"), 4, 2)[1] == "draft-simple"
-
-
 def test_a_label_outside_the_draft_vocabulary_counts_as_a_miss_in_the_accuracy():
     # llama.cpp cannot accept a token the head cannot draft: leaving such labels out read 0.61 held-out top-1 for a
     # Qwen head whose first drafted token the target took 0.34 of the time
@@ -133,11 +127,13 @@ def heads_in_llama_cpp_accept_what_the_meter_says(
     target, models, heads, tokenizer = load_models(target_dir, {"eagle3": head})
     assert not models and list(heads) == ["eagle3"]
     tool = build_llama_cpp() / SPECULATIVE_TOOL
+    flags = speculation_flags(head_gguf, 4, 1)
+    assert flags[flags.index("--spec-type") + 1] == "draft-eagle3"  # the GGUF says what it is
     accepted = 0
     with llama_baseline(target_gguf, 1, 1024, exact=True) as alone:
         for prompt in read_prompts(demo_data)[-PROMPTS:]:
             text = tokenizer.apply_chat_template(prompt.messages, tokenize=False, add_generation_prompt=True)
-            run = run_peer(tool, target_gguf, head_gguf, text, 4, MAX_TOKENS, 1, 1024, exact=True, eagle3=True)
+            run = run_peer(tool, target_gguf, head_gguf, text, 4, MAX_TOKENS, 1, 1024, exact=True)
             assert run.text == alone(text, MAX_TOKENS).text
             accepted += run.accepted
             if not replayed:

@@ -45,21 +45,23 @@ def test_reads_stats_and_retries_when_the_log_is_lost(tmp_path):
     (tmp_path / "tail").write_text(REAL_TAIL)
     body = f"""printf '\\n\\nhi, the answer\\n\\n\\n\\n'
 if [ -f {tmp_path}/ran ]; then cat {tmp_path}/tail >&2; else touch {tmp_path}/ran; fi"""
-    run = run_peer(stand_in(tmp_path, body), Path("t.gguf"), Path("d.gguf"), "hi", 4, 32, 2, 512, exact=True)
+    draft = header_only_gguf(tmp_path / "d.gguf", "llama")
+    run = run_peer(stand_in(tmp_path, body), Path("t.gguf"), draft, "hi", 4, 32, 2, 512, exact=True)
     assert (run.decoded_tokens, run.drafted, run.accepted) == (37, 47, 25)
     assert run.seconds == pytest.approx(0.016) and run.tokens_per_second == pytest.approx(37 / 0.016)
     assert run.text == ", the answer"  # the echoed prompt and the closing lines cut off, exactly
     args = (tmp_path / "args").read_text().split()
-    for flag, value in (("-md", "d.gguf"), ("--spec-type", "draft-simple"), ("--spec-draft-n-max", "4"), ("-t", "2")):
+    for flag, value in (("-md", str(draft)), ("--spec-type", "draft-simple"), ("--spec-draft-n-max", "4"), ("-t", "2")):
         assert args[args.index(flag) + 1] == value
     assert "--no-repack" in args and args[args.index("-fa") + 1] == "off"
 
 
 def test_a_failing_tool_is_reported(tmp_path):
+    draft = header_only_gguf(tmp_path / "d.gguf", "llama")
     with pytest.raises(SpectuneError, match="exit 3"):
-        run_peer(stand_in(tmp_path, "echo boom >&2; exit 3"), Path("t"), Path("d"), "hi", 4, 8, 1, 512, exact=False)
+        run_peer(stand_in(tmp_path, "echo boom >&2; exit 3"), Path("t"), draft, "hi", 4, 8, 1, 512, exact=False)
     with pytest.raises(SpectuneError, match="could not find"):
-        run_peer(stand_in(tmp_path, "echo no stats"), Path("t"), Path("d"), "hi", 4, 8, 1, 512, exact=False)
+        run_peer(stand_in(tmp_path, "echo no stats"), Path("t"), draft, "hi", 4, 8, 1, 512, exact=False)
 
 
 def test_the_tools_answer_is_cut_exactly_from_its_output():
@@ -72,21 +74,44 @@ def test_the_tools_answer_is_cut_exactly_from_its_output():
     assert generated_text(f"\n\n{prompt}Sure.", prompt) is None  # the output was cut short
 
 
-def test_llama_cpps_ngram_speculator_goes_in_front_of_the_draft_or_alone():
+def header_only_gguf(path: Path, architecture: str) -> Path:
+    """A GGUF holding only its architecture: all the flags read of a draft."""
+    from gguf import GGUFWriter
+
+    writer = GGUFWriter(str(path), architecture)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.close()
+    return path
+
+
+def test_llama_cpps_ngram_speculator_goes_in_front_of_the_draft_or_alone(tmp_path):
     """The flags both llama.cpp tools get: ngram-simple sized like spectune's lookup, before draft-simple."""
-    both = speculation_flags(Path("d.gguf"), 4, 2, (NGRAM,), ngram_n=2)
+    draft = header_only_gguf(tmp_path / "d.gguf", "llama")
+    both = speculation_flags(draft, 4, 2, (NGRAM,), ngram_n=2)
     assert both[both.index("--spec-type") + 1] == "ngram-simple,draft-simple"
     assert both[both.index("--spec-ngram-simple-size-n") + 1] == "2"
     assert both[both.index("--spec-ngram-simple-size-m") + 1] == "4" and "-md" in both
     alone = speculation_flags(None, 4, 2, (NGRAM,), ngram_n=2)
     assert alone[alone.index("--spec-type") + 1] == "ngram-simple" and "-md" not in alone and "-td" not in alone
     assert speculation_flags(None, 4, 2) == []  # the target alone
-    hashed = speculation_flags(Path("d.gguf"), 2, 2, (NGRAM,), ngram_n=2, ngram_type="ngram-mod")
+    hashed = speculation_flags(draft, 2, 2, (NGRAM,), ngram_n=2, ngram_type="ngram-mod")
     assert hashed[hashed.index("--spec-type") + 1] == "ngram-mod,draft-simple"
     assert hashed[hashed.index("--spec-ngram-mod-n-max") + 1] == "2"  # a short answer's proposals, not 48 tokens
     assert hashed[hashed.index("--spec-ngram-mod-n-min") + 1] == "1" and "--spec-ngram-simple-size-n" not in hashed
     with pytest.raises(SpectuneError, match="has no speculator for repeat"):
         speculation_flags(None, 4, 2, ("repeat",))  # one only spectune's loop runs is not handed over silently
+
+
+def test_a_drafts_kind_is_its_ggufs(tmp_path):
+    """An EAGLE-3 head and a Gemma 4 assistant are named by their GGUF's architecture, nothing to pass along."""
+    for architecture, kind in (
+        ("eagle3", "draft-eagle3"),
+        ("gemma4-assistant", "draft-mtp"),
+        ("gemma4", "draft-simple"),
+    ):
+        flags = speculation_flags(header_only_gguf(tmp_path / f"{architecture}.gguf", architecture), 3, 1)
+        assert flags[flags.index("--spec-type") + 1] == kind
 
 
 # x86-64 Linux system call numbers: arch_prctl, getpid

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from spectune.gpu.card import GROUNDED_PROFILE
+from spectune.models.mtp_assistant import assistant_chain_matches, is_assistant
 from spectune.runtime.ngram import NGRAM, NgramDrafter, NgramSettings, NgramTable
 from spectune.runtime.registry import Variant
 from spectune.speedup import (
@@ -260,6 +261,14 @@ def ranking_profile(speedups: dict[str, Any]) -> str:
     return GROUNDED_PROFILE if GROUNDED_PROFILE in speedups else GPU_PROFILE
 
 
+def head_chains(head: Any, target: Any, prompt: list[int], answer: list[int]) -> list[list[bool]]:
+    """A head's chained guesses at every answer position: an MTP assistant's or an EAGLE-3 head's."""
+    config = getattr(head, "config", None)  # an EAGLE-3 head is a plain module
+    if config is not None and is_assistant(config.to_dict()):
+        return assistant_chain_matches(head, target, prompt, answer, MAX_DRAFT_LEN)
+    return chain_matches(head, target, prompt, answer)
+
+
 def measure(
     target: Any,
     drafts: dict[str, Any],
@@ -273,7 +282,7 @@ def measure(
 ) -> list[DraftAcceptance]:
     """Acceptance of every draft against the target's own greedy answers to `prompts` (`profiles`: each draft's
     and EAGLE-3 head's); with `ngram` (its settings and domain table), of lookup alone (`ngram`) and in front of
-    each draft. `heads`: EAGLE-3 heads by name, run on the target's hidden states."""
+    each draft. `heads`: EAGLE-3 heads and MTP assistants by name, run on the target's hidden states."""
     heads = heads or {}
     pairs = target_continuations(target, tokenizer, prompts, max_tokens)
     target_logits = [teacher_forced(target, p, a) for p, a in pairs] if temperature > 0 else []
@@ -282,7 +291,7 @@ def measure(
         all_matches[name], alpha_sampled = draft_matches(draft, pairs, target_logits, temperature)
         results.append(acceptance_row(name, all_matches[name], profiles[name], alpha_sampled=alpha_sampled))
     for name, head in heads.items():
-        per_answer = [chain_matches(head, target, prompt, answer) for prompt, answer in pairs if answer]
+        per_answer = [head_chains(head, target, prompt, answer) for prompt, answer in pairs if answer]
         all_chains[name] = lambda index, position, chains=per_answer: chains[index][position]
         all_matches[name] = [[False] + [chain[0] for chain in chains[1:]] for chains in per_answer]
         results.append(acceptance_row(name, all_matches[name], profiles[name], chains=all_chains[name]))

@@ -18,7 +18,8 @@ from spectune.data.read import assistant_turns
 from spectune.errors import SpectuneError
 from spectune.export.pair import CALIBRATION_DIALOGUES, calibration_text, held_out
 from spectune.layout import TARGET
-from spectune.models.load import is_eagle3_head, load_tokenizer
+from spectune.models.load import is_eagle3_head, is_head, is_mtp_assistant, load_tokenizer, read_config
+from spectune.models.mtp_assistant import check_fit
 from spectune.models.resolve import MODEL_REFERENCE, resolve_model
 from spectune.runtime.decode import DEFAULT_MAX_TOKENS
 from spectune.runtime.ngram import NgramSettings, domain_of_texts
@@ -67,7 +68,8 @@ class AcceptanceConfig(AcceptanceSettings, ThreadsSettings):
 
 
 def load_models(target: Path, drafts: dict[str, Path]) -> tuple[Any, dict[str, Any], dict[str, Any], Any]:
-    """The target, the draft models, the EAGLE-3 heads (on the target's embedding) and the tokenizer."""
+    """The target, the draft models, the heads (EAGLE-3 heads on the target's embedding, MTP assistants checked
+    against the target) and the tokenizer."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -77,8 +79,12 @@ def load_models(target: Path, drafts: dict[str, Path]) -> tuple[Any, dict[str, A
     target = resolve_model(target)
     target_model = load(target)
     paths = {name: resolve_model(path) for name, path in drafts.items()}
-    models = {name: load(path) for name, path in paths.items() if not is_eagle3_head(path)}
+    models = {name: load(path) for name, path in paths.items() if not is_head(path)}
     heads = {name: load_head(path, target_model) for name, path in paths.items() if is_eagle3_head(path)}
+    for name, path in paths.items():
+        if is_mtp_assistant(path):
+            check_fit(target, read_config(target), path, read_config(path))
+            heads[name] = load(path)
     return target_model, models, heads, load_tokenizer(target)
 
 
@@ -132,7 +138,7 @@ def read_profile(path: Path) -> Profile:
 def draft_types_of(config: AcceptanceConfig, prompts: list) -> dict[str, Any]:
     """Every draft model at every type of `draft_types`, in llama.cpp on its GGUF (draft_types.sweep_types)."""
     folders = {name: resolve_model(path) for name, path in config.drafts.items()}
-    models = {name: folder for name, folder in folders.items() if not is_eagle3_head(folder)}
+    models = {name: folder for name, folder in folders.items() if not is_head(folder)}
     dialogues = held_out(config.calibration_data, CALIBRATION_DIALOGUES) if config.calibration_data else []
     calibration = {name: calibration_text(folder, dialogues) for name, folder in models.items()} if dialogues else {}
     drafts = {name: (folder, config.ggufs[name]) for name, folder in models.items()}

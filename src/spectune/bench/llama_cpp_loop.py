@@ -67,16 +67,13 @@ def run_peer(
     n_ctx: int,
     exact: bool,
     lookups: tuple[str, ...] = (),
-    eagle3: bool = False,
     ngram_type: NgramType = "ngram-simple",
     ngram_n: int = NgramSettings().min_n,
 ) -> PeerRun:
     """One greedy speculative generation by llama.cpp, with a draft model and/or its own speculators for
-    spectune's `lookups` in front (n-gram lookup: `ngram_type`; `eagle3`: the draft is an EAGLE-3 head); its own
-    timings (decode only, prompt excluded)."""
-    speculation = speculation_flags(
-        draft, draft_tokens, threads, lookups, eagle3=eagle3, ngram_type=ngram_type, ngram_n=ngram_n
-    )
+    spectune's `lookups` in front (n-gram lookup: `ngram_type`; the draft a model, an EAGLE-3 head or an MTP
+    assistant); its own timings (decode only, prompt excluded)."""
+    speculation = speculation_flags(draft, draft_tokens, threads, lookups, ngram_type=ngram_type, ngram_n=ngram_n)
     command = [
         *(str(binary), "-m", str(target), *speculation),
         *("-p", prompt, "-n", str(max_tokens), "-c", str(n_ctx), "--temp", "0", "--top-k", "1"),

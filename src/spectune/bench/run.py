@@ -35,7 +35,7 @@ from spectune.runtime.build import identity_verdict
 from spectune.runtime.chat import CLAUSE_END, chat_prompt
 from spectune.runtime.decode import DecodeSettings
 from spectune.runtime.first_words import FirstWords
-from spectune.runtime.llama import LlamaModel, is_eagle3_gguf
+from spectune.runtime.llama import LlamaModel
 from spectune.runtime.ngram import NGRAM, NgramSettings, NgramSetup, domain_of_texts
 from spectune.runtime.profile import measure_profile
 from spectune.runtime.speculative import Generation, SpeculativeDecoder
@@ -340,7 +340,6 @@ def peer_runner(config: BenchConfig, target: LlamaModel) -> Callable[[str, str],
             config.n_ctx,
             config.exact,
             lookups=config.variants()[name].lookups,
-            eagle3=draft is not None and is_eagle3_gguf(draft),
             ngram_type=config.peer_ngram,
             ngram_n=config.ngram.min_n if config.ngram else NgramSettings().min_n,
         )

@@ -102,13 +102,13 @@ def predict(config: PredictConfig) -> None:
     if "story" in result:
         story = result["story"]
         console.print(
-            f"Gemma 3 12B Q4_K_M alone: {story['target_tokens_per_s']:.1f} tok/s "
+            f"{story['target']} alone: {story['target_tokens_per_s']:.1f} tok/s "
             f"({_band(story['target_band'], ' tok/s')}); the reference story published "
             f"{story['published_tokens_per_s']:.0f} tok/s."
         )
         table = Table(title="what a draft must guess (the same α at every position, its best k)")
         for column in ("draft", "c (band)", "α for 1.7x (band)", "α for 2.2x (band)"):
-            table.add_column(column, justify="left" if column == "draft" else "right")
+            table.add_column(column, justify="left" if column == "draft" else "right", overflow="fold")
         for name, row in story["drafts"].items():
             needed = [row[f"alpha_for_{goal}x"] for goal in STORY_GOALS]
             cells = [

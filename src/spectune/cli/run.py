@@ -16,7 +16,8 @@ from spectune.config import positional
 from spectune.flags import config_command
 from spectune.layout import RunLayout
 from spectune.models.demo_pair import RECIPES
-from spectune.pipeline.config import demo_config, load_run_config
+from spectune.models.gemma4_pair import GEMMA4_RECIPES
+from spectune.pipeline.config import RunConfig, demo_config, load_run_config
 from spectune.pipeline.run import dry_run as plan_run
 from spectune.pipeline.run import run_pipeline
 from spectune.runtime.chosen import ChosenPair
@@ -44,8 +45,12 @@ def run_command(config: RunCommandConfig) -> None:
 
 
 class DemoConfig(VerboseSettings):
-    size: str = Field("demo", description="demo (default), micro (a quick look) or medium (~1 h).")
-    run_dir: Path | None = Field(None, description="Run folder (default runs/demo, runs/demo-SIZE).")
+    size: str = Field(
+        "demo",
+        description="demo (default), micro (a quick look), medium (~1 h) or gemma4-demo (a Gemma 4 target and its "
+        "MTP assistant, retuned).",
+    )
+    run_dir: Path | None = Field(None, description="Run folder (default runs/demo, runs/demo-SIZE, runs/gemma4-demo).")
 
 
 @config_command(app, DemoConfig)
@@ -53,17 +58,29 @@ def demo(config: DemoConfig) -> None:
     """The whole story on the built-in default: demo pair, generated voice-bot dialogues, all stages."""
     terminal.verbose = config.verbose
     run_config = demo_config(config.size, config.run_dir)
-    recipe = RECIPES[config.size]
-    narrower = recipe.target.hidden // recipe.draft.hidden
-    console.print(
-        f"[bold]spectune demo[/]: a {recipe.target.hidden} x {recipe.target.layers} target fine-tuned with QLoRA on "
-        f"{run_config.data.demo_dialogues:,} voice-bot dialogues, and drafts {narrower}x "
-        f"narrower that learn to think like it ({', '.join(run_config.drafts.methods)}), beside the off-the-shelf "
-        "one: how many of the target's tokens each draft guesses, and what that buys with answers identical to the "
-        "target alone, at 4 bits on llama.cpp."
-    )
+    console.print(demo_intro(config.size, run_config))
     summary = run_pipeline(run_config)
     print_story(summary, run_config.layout)
+
+
+def demo_intro(size: str, run_config: RunConfig) -> str:
+    """What the demo of `size` is about to show."""
+    dialogues = f"{run_config.data.demo_dialogues:,} voice-bot dialogues"
+    if size in GEMMA4_RECIPES:
+        recipe = GEMMA4_RECIPES[size]
+        return (
+            f"[bold]spectune demo[/]: a {recipe.target.hidden} x {recipe.target.layers} Gemma 4 target fine-tuned "
+            f"with QLoRA on {dialogues}, and its MTP assistant (trained for the base target, as Google ships one) "
+            "retuned for it, beside the assistant as shipped: how many of the target's tokens each guesses, in "
+            "llama.cpp's draft-mtp and spectune's loop, with answers identical to the target alone, at 4 bits."
+        )
+    recipe = RECIPES[size]
+    return (
+        f"[bold]spectune demo[/]: a {recipe.target.hidden} x {recipe.target.layers} target fine-tuned with QLoRA on "
+        f"{dialogues}, and drafts {recipe.target.hidden // recipe.draft.hidden}x narrower that learn to think like "
+        f"it ({', '.join(run_config.drafts.methods)}), beside the off-the-shelf one: how many of the target's tokens "
+        "each draft guesses, and what that buys with answers identical to the target alone, at 4 bits on llama.cpp."
+    )
 
 
 def print_story(summary: dict[str, Any], layout: RunLayout) -> None:

@@ -1,4 +1,4 @@
-"""The training verbs: `finetune`, `merge`, `draft`, `eagle3`, `acceptance`, and `plan` (what fits)."""
+"""The training verbs: `finetune`, `merge`, `draft`, `eagle3`, `assistant`, `acceptance`, and `plan` (what fits)."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from rich.table import Table
 from spectune.acceptance.stage import AcceptanceConfig, run_acceptance
 from spectune.cli.shared import console
 from spectune.flags import config_command
+from spectune.train.assistant import AssistantConfig, train_assistant
 from spectune.train.draft import DraftConfig, train_draft
 from spectune.train.eagle3 import Eagle3Config, train_eagle3
 from spectune.train.plan import GIB, PlanConfig, cost_ratio, parse_memory, plan_report, read_shape
@@ -60,6 +61,17 @@ def eagle3(config: Eagle3Config) -> None:
     console.print(
         f"eagle3: held-out accuracy by draft step {result.accuracy_before} -> {result.accuracy_after} | "
         f"{result.model} | {result.seconds + result.feature_seconds:.0f} s"
+    )
+
+
+@config_command(app, AssistantConfig)
+def assistant(config: AssistantConfig) -> None:
+    """Retune a Gemma 4 target's MTP assistant (as shipped for the base model) for the tuned target; llama.cpp runs
+    it with --spec-type draft-mtp: `spectune export --model OUT/model --out ASSISTANT.gguf`."""
+    result = train_assistant(config)
+    console.print(
+        f"assistant: held-out accuracy by draft step {result.accuracy_before} -> {result.accuracy_after} | "
+        f"{result.model} | {result.seconds:.0f} s"
     )
 
 

@@ -130,6 +130,12 @@ def sglang_head_config(draft: Path, layers: list[int]) -> None:
 def hand_off(config: HandoffConfig) -> dict[str, Any]:
     """Write OUT/target, OUT/draft, handoff.json and serve.sh; returns the report."""
     chosen = ChosenPair.read(RunLayout(config.run).chosen_pair)
+    if chosen.mtp:
+        raise SpectuneError(
+            f"{config.run}: its draft is a Gemma 4 MTP assistant; handing one to {config.engine} is not checked "
+            f"against {config.engine} {CHECKED_AGAINST[config.engine]}'s sources here: serve it with llama-server.sh "
+            "(draft-mtp) or `spectune serve`"
+        )
     if chosen.target_hf is None or chosen.draft_hf is None:
         raise SpectuneError(f"{config.run}: its pair.json predates hand-off; run `spectune run CONFIG --only export`")
     target, draft = check_model_dir(str(chosen.target_hf)), check_model_dir(str(chosen.draft_hf))

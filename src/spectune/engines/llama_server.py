@@ -22,6 +22,7 @@ from typing import IO, Literal
 from spectune.engines.llama_cpp import defaults_env
 from spectune.errors import SpectuneError
 from spectune.runtime.decode import DecodeSettings
+from spectune.runtime.llama import spec_type
 from spectune.runtime.ngram import NGRAM, NgramSettings
 from spectune.runtime.registry import Variant
 
@@ -55,7 +56,7 @@ def server_command(
     exact: bool = True,
     lookups: tuple[str, ...] = (),
     ngram: NgramSettings | None = None,
-    eagle3: bool = False,
+    draft_type: str | None = None,
 ) -> list[str]:
     """`llama-server` serving `target` (with `draft` and/or n-gram lookup speculating, see speculation_flags), a
     request's defaults from `decode`. The API key is not here: it goes through LLAMA_API_KEY, out of `ps`."""
@@ -64,7 +65,9 @@ def server_command(
     command += ["-c", str(n_ctx * slots), "-np", str(slots), *thread_flags(threads)]
     command += ["--jinja", "--metrics", "--no-webui"]
     ngram_n = (ngram or NgramSettings()).min_n
-    command += speculation_flags(draft, decode.k, threads, lookups, decode.draft_p_min, eagle3, ngram_n=ngram_n)
+    command += speculation_flags(
+        draft, decode.k, threads, lookups, decode.draft_p_min, ngram_n=ngram_n, draft_type=draft_type
+    )
     command += ["-n", str(decode.max_tokens), "--temp", str(decode.temperature), "--top-k", str(decode.top_k)]
     command += ["--top-p", str(decode.top_p)] + (["-s", str(decode.seed)] if decode.seed is not None else [])
     command += ["--ignore-eos"] if decode.ignore_eos else []
@@ -92,9 +95,9 @@ def speculation_flags(
     threads: int,
     lookups: tuple[str, ...] = (),
     p_min: float = 0.0,
-    eagle3: bool = False,
     ngram_type: NgramType = "ngram-simple",
     ngram_n: int = NgramSettings().min_n,
+    draft_type: str | None = None,
 ) -> list[str]:
     """llama.cpp's flags for speculating as spectune's loop does: its speculators for spectune's model-free
     `lookups`, in their order (a Variant's), then `draft` proposing up to `draft_max` tokens, greedy, stopping below
@@ -102,13 +105,14 @@ def speculation_flags(
     continuation after its last `ngram_n` tokens (its default n-gram of 12
     tokens is sized for code). ngram-mod: its hashed table of every context n-gram, matched on its own default
     length (24 tokens), proposing up to `draft_max` (its default floor of 48 proposed tokens would leave a short
-    answer nothing). `eagle3`: the draft is an EAGLE-3 head, which drafts from the target's layer inputs. Shared by
+    answer nothing). `draft_type`: the draft's kind, by default read from its GGUF (runtime/llama.py spec_type): a
+    draft model, an EAGLE-3 head (it drafts from the target's layer inputs) or an MTP assistant (from its states and
+    KV cache); given where the command names the file relative to another folder. Shared by
     llama-server and llama-speculative-simple."""
     missing = [lookup for lookup in lookups if lookup not in LLAMA_CPP_LOOKUPS]
     if missing:
         raise SpectuneError(f"llama.cpp has no speculator for {', '.join(missing)}: only spectune's own loop runs it")
-    draft_type = "draft-eagle3" if eagle3 else "draft-simple"
-    spec_types = [ngram_type for _ in lookups] + [draft_type] * (draft is not None)
+    spec_types = [ngram_type for _ in lookups] + ([draft_type or spec_type(draft)] if draft is not None else [])
     flags = ["--spec-type", ",".join(spec_types), "--spec-draft-n-max", str(draft_max)] if spec_types else []
     if lookups and ngram_type == "ngram-simple":
         flags += ["--spec-ngram-simple-size-n", str(ngram_n), "--spec-ngram-simple-size-m", str(draft_max)]

@@ -20,12 +20,12 @@ from spectune.errors import SpectuneError
 from spectune.export.gguf import QuantSettings, check_quant, export_model, quantize
 from spectune.export.llama_flags import check_command
 from spectune.layout import CHOSEN_PAIR, CONTROL_DRAFT, EXPORT_REPORT, SERVER_SCRIPT, TARGET, gguf_name
-from spectune.models.load import is_eagle3_head, load_tokenizer
+from spectune.models.load import is_eagle3_head, is_head, is_mtp_assistant, load_tokenizer
 from spectune.models.resolve import MODEL_REFERENCE, resolve_model
 from spectune.models.tokenizer_check import check_template, check_tokenizer
 from spectune.runtime.chosen import ChosenPair
 from spectune.runtime.decode import DecodeSettings
-from spectune.runtime.llama import LlamaModel
+from spectune.runtime.llama import LlamaModel, spec_type
 from spectune.runtime.ngram import NGRAM
 from spectune.runtime.pair import check_pair
 from spectune.runtime.registry import Variant
@@ -236,9 +236,13 @@ def export_models(config: ExportPairConfig) -> dict[str, Any]:
     }
     for name, folder in config.drafts.items():
         draft_file = config.out / gguf_name(name, quant)
-        if is_eagle3_head(folder):  # the target's tokenizer, checked with it; no standalone model to compare
-            export_model(folder, draft_file, quant, keep_f16=config.keep_f16, target_model_dir=config.target)
-            report["models"][name] = {"gguf": str(draft_file), "bytes": draft_file.stat().st_size, "eagle3": True}
+        if is_head(folder):  # drafts only beside the target, checked with it: no standalone model to compare
+            head_target = (
+                config.target if is_eagle3_head(folder) else None
+            )  # an EAGLE-3 head's tokenizer is its target's
+            export_model(folder, draft_file, quant, keep_f16=config.keep_f16, target_model_dir=head_target)
+            kind = "eagle3" if head_target else "mtp"
+            report["models"][name] = {"gguf": str(draft_file), "bytes": draft_file.stat().st_size, kind: True}
         else:
             report["models"][name] = export_checked(config, folder, draft_file, conversations, calibration)
         report["pairs"][name] = check_pair(target_file, draft_file)
@@ -267,6 +271,7 @@ def write_pair(config: ExportPairConfig, acceptance: dict[str, Any] | None) -> d
         ngram=fronted["ngram"] if fronted else None,
         ngram_data=fronted.get("ngram_data") if fronted else None,
         eagle3=is_eagle3_head(Path(config.drafts[name])),
+        mtp=is_mtp_assistant(Path(config.drafts[name])),
         # The HF folders they came from: what vLLM and SGLang serve (`spectune export --for vllm|sglang`).
         target_hf=config.target,
         draft_hf=Path(config.drafts[name]),
@@ -281,7 +286,7 @@ def write_pair(config: ExportPairConfig, acceptance: dict[str, Any] | None) -> d
         port=8080,
         lookups=chosen.variant.lookups,
         ngram=chosen.ngram,
-        eagle3=chosen.eagle3,
+        draft_type=spec_type(draft_file),
     )
     check_command(command)
     llama_server = shlex.join(command)

@@ -13,7 +13,7 @@ import math
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from rich.console import Console
 from rich.progress import Progress
@@ -39,11 +39,11 @@ class Shape:
     lr: float = 3e-3
 
 
-@dataclass(frozen=True)
-class PairRecipe:
-    name: str
-    target: Shape
-    draft: Shape
+@dataclass(frozen=True, kw_only=True)
+class WorldRecipe:
+    """What every demo world's pair is built from: its vocabulary, corpus and pretraining batches."""
+
+    world: ClassVar[int] = WORLD_VERSION
     vocab_size: int = 8192
     tokenizer_docs: int = 6000
     corpus_docs: int = 6000
@@ -53,8 +53,15 @@ class PairRecipe:
     seed: int = 0
 
     def digest(self) -> str:
-        blob = json.dumps({"world": WORLD_VERSION, **asdict(self)}, sort_keys=True)
+        blob = json.dumps({"world": self.world, **asdict(self)}, sort_keys=True)
         return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+@dataclass(frozen=True)
+class PairRecipe(WorldRecipe):
+    name: str
+    target: Shape
+    draft: Shape
 
 
 RECIPES = {
@@ -100,28 +107,33 @@ def write_manifest(folder: Path, manifest: dict[str, Any]) -> None:
         tmp.write_text(json.dumps(manifest, indent=2))
 
 
+def tokenizer_texts(docs: int) -> list[str]:
+    """What a demo world's vocabulary is learnt from: general documents, generic chats and voice-bot dialogues."""
+    texts = generate_corpus(docs, seed=1000)
+    texts += [turn["content"] for chat in generate_chats(docs // 3, seed=1000) for turn in chat]
+    return texts + [turn["content"] for d in generate_dialogues(2000, seed=1000) for turn in d.messages]
+
+
 def build_tokenizer(recipe: PairRecipe) -> Any:
-    texts = generate_corpus(recipe.tokenizer_docs, seed=1000)
-    texts += [turn["content"] for chat in generate_chats(recipe.tokenizer_docs // 3, seed=1000) for turn in chat]
-    texts += [turn["content"] for d in generate_dialogues(2000, seed=1000) for turn in d.messages]
-    return train_tokenizer(texts, recipe.vocab_size)
+    return train_tokenizer(tokenizer_texts(recipe.tokenizer_docs), recipe.vocab_size)
 
 
-def pretraining_blocks(recipe: PairRecipe, tokenizer: Any) -> Any:
+def corpus_blocks(tokenizer: Any, docs: int, chats: int, seq_len: int, seed: int) -> Any:
     """The general corpus (plain documents and generic chats), packed into seq_len blocks."""
     import torch
 
-    documents = generate_corpus(recipe.corpus_docs, seed=recipe.seed)
-    documents += [
-        tokenizer.apply_chat_template(chat, tokenize=False)
-        for chat in generate_chats(recipe.chat_docs, seed=recipe.seed)
-    ]
-    order = torch.randperm(len(documents), generator=torch.Generator().manual_seed(recipe.seed)).tolist()
+    documents = generate_corpus(docs, seed=seed)
+    documents += [tokenizer.apply_chat_template(chat, tokenize=False) for chat in generate_chats(chats, seed=seed)]
+    order = torch.randperm(len(documents), generator=torch.Generator().manual_seed(seed)).tolist()
     stream: list[int] = []
     for index in order:
         stream += tokenizer(documents[index], add_special_tokens=False)["input_ids"] + [tokenizer.bos_token_id]
-    usable = len(stream) // recipe.seq_len * recipe.seq_len
-    return torch.tensor(stream[:usable]).view(-1, recipe.seq_len)
+    usable = len(stream) // seq_len * seq_len
+    return torch.tensor(stream[:usable]).view(-1, seq_len)
+
+
+def pretraining_blocks(recipe: PairRecipe, tokenizer: Any) -> Any:
+    return corpus_blocks(tokenizer, recipe.corpus_docs, recipe.chat_docs, recipe.seq_len, recipe.seed)
 
 
 def llama_config(shape: Shape, recipe: PairRecipe, tokenizer: Any) -> Any:
@@ -143,13 +155,20 @@ def llama_config(shape: Shape, recipe: PairRecipe, tokenizer: Any) -> Any:
     )
 
 
-def pretrain(shape: Shape, recipe: PairRecipe, tokenizer: Any, blocks: Any, label: str) -> tuple[Any, dict]:
-    """Plain causal-LM pretraining with AdamW and a cosine schedule; deterministic by the recipe's seed."""
+def llama_model(shape: Shape, recipe: PairRecipe, tokenizer: Any) -> Any:
     import torch
     from transformers import LlamaForCausalLM
 
     torch.manual_seed(recipe.seed)
-    model = LlamaForCausalLM(llama_config(shape, recipe, tokenizer)).float()
+    return LlamaForCausalLM(llama_config(shape, recipe, tokenizer))
+
+
+def pretrain(model: Any, shape: Shape, recipe: WorldRecipe, blocks: Any, label: str) -> tuple[Any, dict]:
+    """Plain causal-LM pretraining of a fresh `model` with AdamW and a cosine schedule; deterministic by the recipe's
+    seed (the caller seeds torch before building the model)."""
+    import torch
+
+    model = model.float()
     optimizer = torch.optim.AdamW(model.parameters(), lr=shape.lr, weight_decay=0.01, betas=(0.9, 0.95))
     warmup = max(1, shape.steps // 20)
 
@@ -219,7 +238,7 @@ def build_pair(size: str | PairRecipe, models_dir: Path | None = None, force: bo
             "corpus_tokens": int(blocks.numel()),
         }
         for role, shape in (("target", recipe.target), ("draft", recipe.draft)):
-            model, stats = pretrain(shape, recipe, tokenizer, blocks, f"{size} {role}")
+            model, stats = pretrain(llama_model(shape, recipe, tokenizer), shape, recipe, blocks, f"{size} {role}")
             console.print(
                 f"  {role}: {stats['parameters'] / 1e6:.1f}M parameters, {shape.steps} steps,"
                 f" loss {stats['final_loss']:.3f}, {stats['train_seconds']:.0f} s"

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from spectune.errors import SpectuneError
+from spectune.models.mtp_assistant import is_assistant
 
 
 def check_model_dir(path: str | Path, need_weights: bool = True) -> Path:
@@ -60,6 +61,23 @@ def save_tokenizer(tokenizer: Any, out: Path) -> None:
     source = Path(tokenizer.name_or_path) / "tokenizer.model"
     if source.is_file() and not (out / "tokenizer.model").exists():
         shutil.copy2(source, out / "tokenizer.model")
+
+
+def read_config(folder: Path) -> dict[str, Any]:
+    """A model folder's config.json (the folder checked first)."""
+    return json.loads((check_model_dir(folder) / "config.json").read_text())
+
+
+def is_mtp_assistant(folder: Path) -> bool:
+    """Whether an HF folder is a Gemma 4 MTP assistant (it drafts from its target's states and cache)."""
+    config = folder / "config.json"
+    return config.is_file() and is_assistant(json.loads(config.read_text()))
+
+
+def is_head(folder: Path) -> bool:
+    """Whether an HF folder drafts only beside its target (an EAGLE-3 head or an MTP assistant): no standalone
+    model to run, compare or quantize alone."""
+    return is_eagle3_head(folder) or is_mtp_assistant(folder)
 
 
 def is_eagle3_head(folder: Path) -> bool:

@@ -17,10 +17,12 @@ from spectune.export.gguf import check_quant
 from spectune.export.pair import ExportSettings
 from spectune.layout import DEFAULT_QUANT, RunLayout
 from spectune.models.demo_pair import RECIPES
+from spectune.models.gemma4_pair import GEMMA4_RECIPES
 from spectune.models.imported import REAL_MODELS
 from spectune.models.resolve import MODEL_REFERENCE, is_hub_id
 from spectune.runtime.ngram import NgramSettings
 from spectune.threads import ThreadsSettings
+from spectune.train.assistant import AssistantSettings
 from spectune.train.draft import (
     DEFAULT_DIVERGENCE,
     TARGET_PATH_METHODS,
@@ -41,7 +43,9 @@ DERIVED_LAYERS = [0, 1]
 
 
 class ModelsSettings(Settings):
-    size: Literal[tuple(RECIPES)] | None = Field("small", description="A demo-world pair ...")  # type: ignore[valid-type]
+    size: Literal[tuple(RECIPES) + tuple(GEMMA4_RECIPES)] | None = Field(  # type: ignore[valid-type]
+        "small", description="A demo-world pair (a gemma4-* one: a Gemma 4 target and its MTP assistant) ..."
+    )
     fetch: Literal[tuple(REAL_MODELS)] | None = Field(  # type: ignore[valid-type]
         None, description="... or a real model that installs offline (`spectune models fetch`) as the target ..."
     )
@@ -89,6 +93,12 @@ class DraftsSettings(DraftSettings):
         description="An EAGLE-3 head for the tuned target ({} for the defaults), trained on seqkd's target answers "
         "(else the train dialogues); exported, measured by acceptance and benched as `eagle3`; spectune's loop "
         "and llama.cpp's run it. Needs a target llama.cpp takes layer inputs from.",
+    )
+    assistant: AssistantSettings | None = Field(
+        None,
+        description="Retune the Gemma 4 target's MTP assistant (the base draft: a gemma4-* pair's, or models.draft) "
+        "for the tuned target ({} for the defaults), on seqkd's target answers where there are (else the train "
+        "dialogues); exported, measured and benched as `assistant` beside the one as shipped (`generic`).",
     )
 
     @model_validator(mode="after")
@@ -148,6 +158,16 @@ class RunConfig(ThreadsSettings):
     export: ExportSettings = ExportSettings()
     bench: BenchSettings = BenchSettings()
 
+    @model_validator(mode="after")
+    def _assistant_pair(self) -> RunConfig:
+        """A Gemma 4 demo pair's draft is its MTP assistant: only drafts.assistant trains it."""
+        if self.models.size in GEMMA4_RECIPES and (self.drafts.methods or self.drafts.eagle3 is not None):
+            raise ValueError(
+                f"models.size {self.models.size}: its draft is an MTP assistant, which drafts.methods and "
+                "drafts.eagle3 cannot train; set drafts.methods: [] and retune it with drafts.assistant"
+            )
+        return self
+
     @property
     def layout(self) -> RunLayout:
         return RunLayout(self.run_dir, check_quant(self.export.quant))
@@ -190,6 +210,14 @@ DEMO_SETTINGS = {
         "acceptance": {"n": 20, "max_tokens": 48},
         "bench": {"n": 300, "repeats": 1, "max_tokens": 48},
     },
+    # The story on Gemma 4's own drafter: the assistant trained for the base target, then retuned for the tuned one.
+    "gemma4-demo": {
+        "data": {"eval_fraction": 0.125},
+        "finetune": {"max_steps": 64, "lr": 2e-3, "max_seq_length": 256},
+        "drafts": {"methods": [], "assistant": {"max_steps": 150, "lr": 1e-3, "max_seq_length": 256}},
+        "acceptance": {"n": 226, "max_tokens": 48, "draft_types": []},
+        "bench": {"n": 226, "repeats": 1, "max_tokens": 48},  # every held-out prompt: the goal counts over 200
+    },
     "micro": {
         "finetune": {"max_steps": 100, "lr": 5e-3, "max_seq_length": 256},
         "drafts": {"max_steps": 80, "lr": 3e-3, "max_seq_length": 256, "max_tokens": 64},
@@ -209,7 +237,7 @@ def demo_config(size: str, run_dir: Path | None = None) -> RunConfig:
     """The run config `spectune demo --size SIZE` runs (benchmarks/speculative.py takes it as demo:SIZE)."""
     if size not in DEMO_SETTINGS:
         raise SpectuneError(f"unknown demo size {size!r}: choose one of {', '.join(DEMO_SETTINGS)}")
-    default_dir = Path("runs") / ("demo" if size == "demo" else f"demo-{size}")
+    default_dir = Path("runs") / (size if size.startswith("demo") or size in GEMMA4_RECIPES else f"demo-{size}")
     values = {"run_dir": str(run_dir or default_dir), "models": {"size": size}, **DEMO_SETTINGS[size]}
     return validate(RunConfig, values, "demo")
 

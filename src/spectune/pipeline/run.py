@@ -153,6 +153,9 @@ FIGURES: dict[str, Callable[[dict[str, Any]], str]] = {
         f"{out['steps']} steps, {out['parameters']:,} parameters, held-out accuracy by draft step "
         f"{out['accuracy_before']} -> {out['accuracy_after']}"
     ),
+    "assistant": lambda out: (
+        f"{out['steps']} steps, held-out accuracy by draft step {out['accuracy_before']} -> {out['accuracy_after']}"
+    ),
     "export": lambda out: (
         f"{len(out['files'])} GGUFs at {out['reports']['quant']}"
         + (", with importance matrices" if out["reports"].get("imatrix", {}).get("used") else "")

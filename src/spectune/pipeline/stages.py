@@ -23,10 +23,12 @@ from spectune.export.profile import profile_pair
 from spectune.layout import CONTROL_DRAFT, TARGET, RunLayout
 from spectune.models.demo_pair import build_pair
 from spectune.models.derive import derive_draft
+from spectune.models.gemma4_pair import GEMMA4_RECIPES, build_gemma4_pair
 from spectune.models.imported import fetch
 from spectune.models.resolve import is_hub_id, model_folder, resolve_model
 from spectune.pipeline.config import DERIVED_LAYERS, DRAFT_FIELDS, TARGET_FIELDS, RunConfig
 from spectune.threads import thread_count
+from spectune.train.assistant import ASSISTANT, AssistantConfig, train_assistant
 from spectune.train.draft import (
     TARGET_ANSWERS,
     DraftConfig,
@@ -50,6 +52,8 @@ class Context:
         head where there is one."""
         trained = {m: Path(self.outputs[f"draft:{m}"]["model"]) for m in self.config.drafts.methods}
         head = {EAGLE3: Path(self.outputs[EAGLE3]["model"])} if self.config.drafts.eagle3 is not None else {}
+        if self.config.drafts.assistant is not None:
+            head[ASSISTANT] = Path(self.outputs[ASSISTANT]["model"])
         return {CONTROL_DRAFT: Path(self.outputs["base-draft"]["draft"]), **trained, **head}
 
     @property
@@ -96,7 +100,10 @@ def target_stage(context: Context) -> dict[str, Any]:
         if context.config.drafts.eagle3 is not None:
             check_target(target)
         return {"target": str(target)}
-    folder = build_pair(section.size, section.models_dir)
+    if section.size in GEMMA4_RECIPES:
+        folder = build_gemma4_pair(section.size, section.models_dir)
+    else:
+        folder = build_pair(section.size, section.models_dir)
     profile = profile_pair(folder, context.layout.quant)
     with atomic_path(context.layout.profile) as tmp:
         tmp.write_text(json.dumps(profile, indent=2))
@@ -164,6 +171,17 @@ def eagle3_stage(context: Context) -> dict[str, Any]:
     inputs = train_inputs(context, context.layout.draft_dir(EAGLE3)) | {"data": domain_data(context)}
     result = train_eagle3(Eagle3Config(target=context.merged, **inputs, **settings.model_dump()))
     return {**result.model_dump(mode="json"), "eval_hash": path_hash(context.layout.eval_file)}
+
+
+def assistant_stage(context: Context) -> dict[str, Any]:
+    """The MTP assistant as shipped (the base draft), retuned for the tuned target on its own answers where seqkd
+    made them (else the train dialogues)."""
+    settings = context.config.drafts.assistant
+    assert settings is not None  # the stage exists only with a drafts.assistant section
+    inputs = train_inputs(context, context.layout.draft_dir(ASSISTANT)) | {"data": domain_data(context)}
+    shipped = Path(context.outputs["base-draft"]["draft"])
+    config = AssistantConfig(target=context.merged, assistant=shipped, **inputs, **settings.model_dump())
+    return {**train_assistant(config).model_dump(mode="json"), "eval_hash": path_hash(context.layout.eval_file)}
 
 
 def acceptance_config(context: Context, drafts: dict[str, Path], **overrides: Any) -> AcceptanceConfig:
@@ -283,7 +301,7 @@ def _data_files(context: Context) -> list[Path]:
 def stages(config: RunConfig) -> list[Stage]:
     """The pipeline: each stage with the settings it reads, the stages it needs and the files it reads."""
     drafts = tuple(f"draft:{method}" for method in config.drafts.methods)
-    head = (EAGLE3,) if config.drafts.eagle3 is not None else ()
+    head = (EAGLE3,) * (config.drafts.eagle3 is not None) + (ASSISTANT,) * (config.drafts.assistant is not None)
     seqkd = tuple(name for name in drafts if name == "draft:seqkd")  # its answers are the head's data
     bases = ("merge", "base-draft")  # the tuned target and the untrained control draft
     return [
@@ -316,6 +334,18 @@ def stages(config: RunConfig) -> list[Stage]:
         *(
             Stage(EAGLE3, eagle3_stage, lambda c: [c.drafts.eagle3, c.data.seed], ("merge", *seqkd), _domain_file)
             for _ in head
+            if _ == EAGLE3
+        ),
+        *(
+            Stage(
+                ASSISTANT,
+                assistant_stage,
+                lambda c: [c.drafts.assistant, c.data.seed],
+                ("base-draft", "merge", *seqkd),
+                _domain_file,
+            )
+            for _ in head
+            if _ == ASSISTANT
         ),
         Stage("export", export_stage, lambda c: [c.export, c.threads], (*bases, *drafts, *head), _export_files),
         Stage(

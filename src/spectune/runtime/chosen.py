@@ -23,7 +23,7 @@ class ChosenPair(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     target: Path = Field(description="The target's GGUF.")
-    draft: Path = Field(description="The served draft's GGUF (an EAGLE-3 head's, where `eagle3`).")
+    draft: Path = Field(description="The served draft's GGUF (an EAGLE-3 head's or an MTP assistant's).")
     draft_name: str = Field(description="The draft's name in the run (`drafts.methods`, a cut, `base`).")
     k: int = Field(ge=0, description="Its k: the acceptance stage's recommended k, else the default.")
     ngram: NgramSettings | None = Field(None, description="n-gram lookup's settings where it goes in front.")
@@ -32,6 +32,7 @@ class ChosenPair(BaseModel):
         None, ge=0, description="The draft's own recommended k without lookup in front (for the hand-off); None: k."
     )
     eagle3: bool = Field(False, description="The draft is an EAGLE-3 head (it runs beside the target).")
+    mtp: bool = Field(False, description="The draft is a Gemma 4 MTP assistant (it reads the target's cache).")
     target_hf: Path | None = Field(None, description="The HF folder of the target (vLLM's, SGLang's input).")
     draft_hf: Path | None = Field(None, description="The HF folder of the draft.")
 

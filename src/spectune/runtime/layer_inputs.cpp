@@ -1,4 +1,5 @@
-// C names for the libllama functions an EAGLE-3 head needs beside its target (runtime/eagle3_head.py).
+// C names for the libllama functions a head needs beside its target: an EAGLE-3 head (runtime/eagle3_head.py) and
+// Gemma 4's MTP assistant (runtime/mtp_assistant.py).
 //
 // The pinned llama.cpp exports them (LLAMA_API) but declares them in src/llama-ext.h without extern "C", so their
 // symbols are C++-mangled. These declarations copy llama-ext.h's; the compiler derives the mangled names from them,
@@ -33,6 +34,11 @@ float * spectune_layer_input(llama_context * ctx, uint32_t lid) {
 // rows a batch marks as outputs.
 void spectune_keep_hidden_state(llama_context * ctx) {
     llama_set_embeddings_nextn(ctx, true, true);
+}
+
+// The target of an MTP assistant: keep the post-norm hidden state of every token a decode computes, outputs or not.
+void spectune_keep_all_hidden_states(llama_context * ctx) {
+    llama_set_embeddings_nextn(ctx, true, false);
 }
 
 // Every output row's hidden state of the last batch, in batch order (the encoder's g, row by row).

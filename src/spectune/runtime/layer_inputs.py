@@ -1,4 +1,5 @@
-"""The C shim (layer_inputs.cpp) through which an EAGLE-3 head reads its target's layer inputs and runs beside it.
+"""The C shim (layer_inputs.cpp) through which a head reads its target's states and runs beside it: an EAGLE-3 head
+(the target's layer inputs) or Gemma 4's MTP assistant (the target's last hidden states).
 
 It is compiled once per shim source and per libllama (the binding's version names the build, patches included), into
 the user cache, against the library the binding itself loaded: its functions then act on the binding's own contexts.
@@ -45,6 +46,7 @@ def shim() -> ctypes.CDLL:
         "spectune_keep_layer_input": ([context, ctypes.c_uint32], None),
         "spectune_layer_input": ([context, ctypes.c_uint32], floats),
         "spectune_keep_hidden_state": ([context], None),
+        "spectune_keep_all_hidden_states": ([context], None),
         "spectune_hidden_states": ([context], floats),
         "spectune_hidden_state": ([context, ctypes.c_int32], floats),
         "spectune_head_layers": ([model], ctypes.POINTER(ctypes.c_int32)),

@@ -33,6 +33,9 @@ from spectune.threads import DEFAULT_N_CTX, thread_count
 _backend_ready = False
 ABORT_SOURCE = Path(__file__).with_name("abort_flag.c")
 DECODE_ABORTED = 2  # llama_decode's status when the abort callback said stop
+EAGLE3_HEAD, MTP_ASSISTANT = "eagle3", "gemma4-assistant"  # GGUF architectures of drafts that run beside a target
+HEAD_ARCHITECTURES = {EAGLE3_HEAD: "an EAGLE-3 head", MTP_ASSISTANT: "a Gemma 4 MTP assistant"}
+DRAFT_SIMPLE = "draft-simple"  # llama.cpp's --spec-type for a draft model with its own cache
 
 
 class DecodeAborted(SpectuneError):
@@ -113,9 +116,11 @@ class LlamaModel:
         self.path = Path(path)
         if not self.path.is_file():
             raise SpectuneError(f"{self.path}: no such GGUF file")
-        self.is_head = is_eagle3_gguf(self.path)
+        self.architecture = gguf_architecture(self.path)
+        self.is_head = self.architecture in HEAD_ARCHITECTURES
         if self.is_head and beside is None:
-            raise SpectuneError(f"{self.path} is an EAGLE-3 head: it runs only beside its target, as its draft")
+            kind = HEAD_ARCHITECTURES[self.architecture]
+            raise SpectuneError(f"{self.path} is {kind}: it runs only beside its target, as its draft")
         init_backend()
         self.lib = llama_cpp
         self.exact = exact
@@ -134,6 +139,8 @@ class LlamaModel:
         context_params = self._context_params(n_ctx, n_batch, exact)
         if self.is_head and beside is not None:
             context_params.ctx_other = beside.ctx
+        if self.architecture == MTP_ASSISTANT:  # reads the target's KV cache, keeps none of its own
+            context_params.ctx_type = llama_cpp.LLAMA_CONTEXT_TYPE_MTP
         self.ctx = llama_cpp.llama_init_from_model(self.model, context_params)
         if not self.ctx:
             raise SpectuneError(f"{self.path}: llama.cpp could not create a context of {n_ctx} tokens")
@@ -142,6 +149,7 @@ class LlamaModel:
         self.n_embd = llama_cpp.llama_model_n_embd(self.model)
         self.kept_layers: list[int] = []  # layers whose inputs every decode keeps (an EAGLE-3 head's target)
         self.layer_inputs = np.zeros((0, 0), dtype=np.float32)  # [position, kept layer x n_embd]
+        self.hidden_states = np.zeros((0, 0), dtype=np.float32)  # [position, n_embd]: an MTP assistant's target
         self.n_ctx = llama_cpp.llama_n_ctx(self.ctx)
         # llama.cpp clamps the batch to the context: chunk by what it really took.
         self.n_batch = min(llama_cpp.llama_n_batch(self.ctx), llama_cpp.llama_n_ubatch(self.ctx))
@@ -203,6 +211,19 @@ class LlamaModel:
         self.kept_layers = list(layers)
         self.layer_inputs = np.zeros((self.n_ctx, len(layers) * self.n_embd), dtype=np.float32)
         self.truncate(0)
+
+    def keep_hidden_states(self) -> None:
+        """From now on, keep the post-norm hidden state at every decoded position (what an MTP assistant reads). The
+        cache is forgotten, so that every cached position has one."""
+        shim().spectune_keep_all_hidden_states(self.ctx)
+        self.hidden_states = np.zeros((self.n_ctx, self.n_embd), dtype=np.float32)
+        self.truncate(0)
+
+    def _copy_hidden_states(self, start: int, count: int) -> None:
+        pointer = shim().spectune_hidden_states(self.ctx)
+        if not pointer:
+            raise SpectuneError(f"{self.path}: llama.cpp kept no hidden states (not a Gemma 4 target?)")
+        self.hidden_states[start : start + count] = np.ctypeslib.as_array(pointer, shape=(count, self.n_embd))
 
     def _copy_layer_inputs(self, start: int, count: int) -> None:
         for index, layer in enumerate(self.kept_layers):
@@ -277,6 +298,8 @@ class LlamaModel:
                 raise SpectuneError(f"llama_decode failed (status {status}) at position {start + offset}")
             if self.kept_layers:
                 self._copy_layer_inputs(start + offset, len(chunk))
+            if len(self.hidden_states):
+                self._copy_hidden_states(start + offset, len(chunk))
             if all_logits or last_chunk:  # all_logits: this batch's outputs, contiguous in the order asked
                 if all_logits:
                     pointer = self.lib.llama_get_logits(self.ctx)
@@ -347,8 +370,17 @@ def read_vocab(path: str | Path) -> VocabInfo:
         llama_cpp.llama_model_free(model)
 
 
+def gguf_architecture(path: str | Path) -> str | None:
+    field = read_gguf(path).fields.get("general.architecture")
+    return None if field is None else bytes(field.parts[field.data[0]]).decode()
+
+
 def is_eagle3_gguf(path: str | Path) -> bool:
     """Whether a GGUF is an EAGLE-3 head (it runs only beside its target: runtime/eagle3_head.py, or llama.cpp's
     `--spec-type draft-eagle3`)."""
-    field = read_gguf(path).fields.get("general.architecture")
-    return field is not None and bytes(field.parts[field.data[0]]).decode() == "eagle3"
+    return gguf_architecture(path) == EAGLE3_HEAD
+
+
+def spec_type(draft: str | Path) -> str:
+    """llama.cpp's `--spec-type` for a draft GGUF: an EAGLE-3 head, an MTP assistant or a draft model."""
+    return {EAGLE3_HEAD: "draft-eagle3", MTP_ASSISTANT: "draft-mtp"}.get(gguf_architecture(draft) or "", DRAFT_SIMPLE)

@@ -20,8 +20,8 @@ from typing import Any
 from gguf import GGUFReader
 
 from spectune.errors import SpectuneError
-from spectune.runtime.eagle3_head import Eagle3Head
 from spectune.runtime.llama import LlamaModel
+from spectune.runtime.registry import model_speculator
 from spectune.runtime.sampling import GreedySampler
 from spectune.speedup import Weights
 
@@ -68,12 +68,13 @@ def measure_profile(
     threads: int | None = None,
     exact: bool = True,
 ) -> dict[str, Any]:
-    """Median one-token times of both models and r(n) for n = 2..max_batch, measured interleaved. An EAGLE-3 head's
-    token is its step beside the target: its encoder and decoder on one position."""
+    """Median one-token times of both models and r(n) for n = 2..max_batch, measured interleaved. A head's token
+    (an EAGLE-3 head's, an MTP assistant's) is its step beside the target (an EAGLE-3 head's encoder and decoder on
+    one position)."""
     n_ctx = CONTEXT + max_batch + 8
     target = LlamaModel(target_gguf, n_ctx=n_ctx, threads=threads, exact=exact)
     draft = LlamaModel(draft_gguf, n_ctx=n_ctx, threads=threads, exact=exact, beside=target)
-    head = Eagle3Head(draft, target) if draft.is_head else None  # before the target decodes: it keeps layer inputs
+    head = model_speculator(draft, target) if draft.is_head else None  # before the target decodes: it keeps states
     prompt = (target.tokenize(FILLER * 20))[: CONTEXT + max_batch]
     for model in (target, draft) if head is None else (target,):
         model.decode(prompt[:CONTEXT], 0, all_logits=False)

@@ -17,7 +17,8 @@ from spectune.config import Settings
 from spectune.errors import SpectuneError
 from spectune.runtime.draft_model import DraftModel
 from spectune.runtime.eagle3_head import Eagle3Head
-from spectune.runtime.llama import LlamaModel
+from spectune.runtime.llama import EAGLE3_HEAD, MTP_ASSISTANT, LlamaModel
+from spectune.runtime.mtp_assistant import MtpAssistant
 from spectune.runtime.ngram import NGRAM, NgramSettings, NgramSetup, NgramSpeculator
 from spectune.runtime.speculators import Speculator
 
@@ -29,6 +30,12 @@ Maker = Callable[[LlamaModel, Any], Speculator]
 def make_ngram(target: LlamaModel, setup: NgramSetup | None) -> Speculator:
     return NgramSpeculator(setup or NgramSetup(NgramSettings()), target.is_end)
 
+
+# Drafts that run beside their target, by GGUF architecture (any other GGUF is a DraftModel).
+HEADS: dict[str, Callable[[LlamaModel, LlamaModel], Speculator]] = {
+    EAGLE3_HEAD: Eagle3Head,
+    MTP_ASSISTANT: MtpAssistant,
+}
 
 # The model-free speculators, by the name a variant gives them (a draft model is not here: it is named by the verb).
 SPECULATORS: dict[str, Maker] = {NGRAM: make_ngram}
@@ -104,4 +111,11 @@ class Variant:
         members = [SPECULATORS[name](target, setups.get(name)) for name in self.lookups]
         if draft_model is None:
             return members
-        return [*members, Eagle3Head(draft_model, target) if draft_model.is_head else DraftModel(draft_model, target)]
+        return [*members, model_speculator(draft_model, target)]
+
+
+def model_speculator(draft_model: LlamaModel, target: LlamaModel) -> Speculator:
+    """The speculator a draft GGUF is, by its architecture: a head that drafts from the target's states, or a draft
+    model with its own cache."""
+    maker = HEADS.get(draft_model.architecture or "", DraftModel)
+    return maker(draft_model, target)

@@ -11,7 +11,6 @@ from typing import IO
 from spectune.engines.llama_cpp import SERVER, built_tool
 from spectune.engines.llama_server import LlamaServer, server_command, server_env
 from spectune.export.llama_flags import check_command
-from spectune.runtime.llama import is_eagle3_gguf
 from spectune.serve.config import ServeConfig
 from spectune.threads import thread_count
 
@@ -35,7 +34,6 @@ def start_llama_server(config: ServeConfig, log: IO[str] | None = None, ready: f
         exact=config.exact,
         lookups=config.lookups(config.ngram is not None),
         ngram=config.ngram,
-        eagle3=config.draft is not None and is_eagle3_gguf(config.draft),
     )
     check_command(command)  # a flag the pinned llama.cpp does not know fails here, not in the child
     host = f"[{config.host}]" if ":" in config.host else config.host

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,14 +31,13 @@ from spectune.errors import SpectuneError
 from spectune.llama_cpp_pin import patched_build
 from spectune.models.load import load_tokenizer
 from spectune.models.resolve import MODEL_REFERENCE, resolve_model
-from spectune.progress import Ticker, progress
+from spectune.progress import progress
 from spectune.speedup import MAX_DRAFT_LEN
 from spectune.threads import configure_torch_threads
 from spectune.train.common import (
     TrainConfig,
     TrainSettings,
     console,
-    last_checkpoint,
     load_task_data,
     peak_memory_bytes,
     read_split,
@@ -53,6 +51,7 @@ from spectune.train.eagle3_head import (
     shifted,
     unroll,
 )
+from spectune.train.loop import fit
 
 # HF model types whose llama.cpp graph hands its layer inputs to a draft (sets t_layer_inp): in the pinned sources,
 # and qwen2 (Qwen2.5) and gemma3 with spectune's patch (llama_cpp_patches/layer-inputs.patch).
@@ -244,80 +243,6 @@ def batches(items: list[tuple], size: int, to_draft: Any, steps: int) -> list[Ba
     return [Batch(items[i : i + size], to_draft, steps) for i in range(0, len(items), size)]
 
 
-def resume_from(head: Any, optimizer: Any, schedule: Any, config: Eagle3Config) -> int:
-    """The step to start at: that of the last complete checkpoint with `resume` (its state loaded), else 0."""
-    import shutil
-
-    import torch
-
-    checkpoint = last_checkpoint(config.out) if config.resume else None
-    if checkpoint is None:
-        if config.resume:
-            console.print("[yellow]--resume: no complete checkpoint yet, starting from the beginning[/]")
-        shutil.rmtree(config.out / "checkpoints", ignore_errors=True)
-        return 0
-    state = torch.load(checkpoint / "head.pt", weights_only=True)
-    head.load_state_dict(state["head"], strict=False)
-    optimizer.load_state_dict(state["optimizer"])
-    schedule.load_state_dict(state["schedule"])
-    return int(checkpoint.name.split("-")[1])
-
-
-def save_checkpoint(head: Any, optimizer: Any, schedule: Any, out: Path, step: int) -> None:
-    """checkpoint-STEP/ with the head, optimizer and schedule (trainer_state.json last, as last_checkpoint expects);
-    the older one removed."""
-    import shutil
-
-    import torch
-
-    folder = out / "checkpoints" / f"checkpoint-{step}"
-    with atomic_path(folder) as tmp:
-        tmp.mkdir(parents=True)
-        state = {"head": head.state_dict(), "optimizer": optimizer.state_dict(), "schedule": schedule.state_dict()}
-        torch.save(state, tmp / "head.pt")
-        (tmp / "trainer_state.json").write_text(json.dumps({"global_step": step}))
-    for older in folder.parent.glob("checkpoint-*"):
-        if older != folder:
-            shutil.rmtree(older, ignore_errors=True)
-
-
-def fit(
-    head: Any, items: list[tuple], held_out: list[Batch], to_draft: Any, config: Eagle3Config
-) -> tuple[int, dict[int, list[float]]]:
-    """AdamW with warm-up and cosine decay over shuffled batches; checkpoints every `save_steps`. The steps run,
-    and the held-out accuracy by draft step at each checkpoint (how it grows with training)."""
-    import torch
-
-    per_epoch = math.ceil(len(items) / config.batch_size)
-    total = config.max_steps or max(1, math.ceil(config.epochs * per_epoch / config.grad_accum))
-    warmup = max(1, total // 30)
-    optimizer = torch.optim.AdamW([p for p in head.parameters() if p.requires_grad], lr=config.lr, weight_decay=0.0)
-    schedule = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda step: min(1.0, (step + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * step / total))
-    )
-    start = resume_from(head, optimizer, schedule, config)
-    ticker, curve = Ticker(total, "eagle3 head"), {}
-    for step in range(start, total):
-        for micro in range(config.grad_accum):
-            index = step * config.grad_accum + micro
-            epoch, within = divmod(index, per_epoch)
-            order = torch.randperm(len(items), generator=torch.Generator().manual_seed(config.seed + epoch))
-            chosen = order[within * config.batch_size : (within + 1) * config.batch_size].tolist()
-            loss, _ = step_losses(head, Batch([items[i] for i in chosen], to_draft, config.ttt_steps))
-            (loss / config.grad_accum).backward()
-        torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
-        optimizer.step()
-        schedule.step()
-        optimizer.zero_grad()
-        if (step + 1) % config.save_steps == 0 and step + 1 < total:
-            save_checkpoint(head, optimizer, schedule, config.out, step + 1)
-            curve[step + 1] = accuracy(head.eval(), held_out)
-            head.train()
-        ticker.update(step + 1, f"loss {loss.item():.3f}")
-    ticker.close()
-    return total, curve
-
-
 def data_items(
     target: Any, folder: Path, data: Any, layers: list[int]
 ) -> tuple[list[tuple], list[tuple], list[FeatureRows]]:
@@ -362,7 +287,14 @@ def train_eagle3(config: Eagle3Config) -> Eagle3Result:
     held_out = batches(eval_items, config.batch_size, to_draft, config.ttt_steps)
     started = time.perf_counter()
     before = accuracy(head, held_out)
-    steps, curve = fit(head.train(), train_items, held_out, to_draft, config)
+    steps, curve = fit(
+        head.train(),
+        train_items,
+        lambda rows: step_losses(head, Batch(rows, to_draft, config.ttt_steps))[0],
+        lambda: accuracy(head, held_out),
+        config,
+        "eagle3 head",
+    )
     after = accuracy(head.eval(), held_out)
     seconds = time.perf_counter() - started
     save_head(head, shape, tokenizer, config.out / "model")
