@@ -205,6 +205,8 @@ def main() -> None:
         settings={"n": len(rows), "repeats": bench.repeats, "max_tokens": bench.max_tokens},
         **training,
     )
+    for name, (_, k) in drafts.items():  # the k llama.cpp drafted with (the acceptance rows' is their own best k)
+        result["drafts"][name]["k_decoded"] = k
     write_result(f"eagle3_{args.name}.json", result)
     print(json.dumps({"target_alone": result["target_alone"], "drafts": result["drafts"]}, indent=2))
 

@@ -28,6 +28,7 @@ from spectune.export.pair import ExportPairConfig, export_pair
 from spectune.models.gemma4_pair import build_gemma4_pair
 from spectune.models.mtp_assistant import check_fit, fit_problems
 from spectune.pipeline.config import RunConfig, demo_config
+from spectune.pipeline.stages import Context, target_stage
 from spectune.runtime.chat import chat_tokens
 from spectune.runtime.decode import DecodeSettings
 from spectune.runtime.llama import LlamaModel, spec_type
@@ -71,6 +72,65 @@ def test_an_assistant_that_cannot_read_the_targets_cache_is_refused_naming_both_
     assert "layer types ['full_attention']" in fit_problems(TARGET, one_kind)[0]  # llama.cpp would abort on it
     assert "not a Gemma 4 model" in fit_problems({"model_type": "llama"}, ASSISTANT)[0]
     assert "not gemma4_assistant" in fit_problems(TARGET, {"model_type": "llama"})[0]
+
+
+def test_a_run_whose_assistant_cannot_read_its_target_stops_at_the_target_stage(tmp_path):
+    """Before any training: the run's own target and assistant folders, checked as the assistant stage would."""
+    for name, config in (("target", TARGET), ("assistant", {**ASSISTANT, "backbone_hidden_size": 256})):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text(json.dumps(config))
+        (tmp_path / name / "model.safetensors").write_bytes(b"")  # what a model folder has; never read
+    values = {
+        "run_dir": str(tmp_path / "run"),
+        "models": {"target": str(tmp_path / "target"), "draft": str(tmp_path / "assistant")},
+        "drafts": {"methods": [], "assistant": {}},
+    }
+    config = validate(RunConfig, values, "run.yaml")
+    with pytest.raises(SpectuneError, match="backbone_hidden_size 256, the target's hidden_size 128"):
+        target_stage(Context(config, config.layout, {}))
+    with pytest.raises(SpectuneError, match="cannot draft for"):  # `spectune assistant` alike, nothing written
+        train_assistant(
+            AssistantConfig(
+                target=tmp_path / "target", assistant=tmp_path / "assistant", data=tmp_path / "x", out=tmp_path / "out"
+            )
+        )
+    assert not (tmp_path / "out").exists()
+
+
+def test_every_anchor_at_once_drafts_as_transformers_assistant_does_from_one():
+    """The batched drafting step (all anchors, one causal mask over the target's keys) gives, at each anchor, the
+    logits transformers' Gemma4AssistantForCausalLM gives when assisted generation calls it from that anchor alone:
+    the target's keys cut after it, (embedding, state) in, at the next position; and so on along the chain."""
+    import torch
+    from transformers import Gemma4AssistantConfig, Gemma4AssistantForCausalLM, Gemma4ForCausalLM, Gemma4TextConfig
+
+    from spectune.models.mtp_assistant import target_states, unroll
+
+    shape = {"vocab_size": 97, "num_key_value_heads": 2, "head_dim": 16, "global_head_dim": 32}
+    shape |= {"vocab_size_per_layer_input": 0, "hidden_size_per_layer_input": 0, "sliding_window": 64}
+    layers = {"layer_types": ["sliding_attention", "full_attention"], "num_hidden_layers": 2}
+    torch.manual_seed(0)
+    target = Gemma4ForCausalLM(
+        Gemma4TextConfig(hidden_size=64, intermediate_size=96, num_attention_heads=4, **shape, **layers)
+    ).eval()
+    text = Gemma4TextConfig(
+        hidden_size=32, intermediate_size=64, num_attention_heads=2, num_kv_shared_layers=2, **shape, **layers
+    )
+    assistant = Gemma4AssistantForCausalLM(
+        Gemma4AssistantConfig(text_config=text, backbone_hidden_size=64, use_ordered_embeddings=False)
+    ).eval()
+    ids = torch.randint(0, 97, (1, 12), generator=torch.Generator().manual_seed(1))
+    states = target_states(target, ids)
+    with torch.no_grad():
+        batched = unroll(assistant, states, ids, 2, 64)
+        for anchor in (0, 5, 9):
+            kv = {kind: (k[:, :, : anchor + 1], v[:, :, : anchor + 1]) for kind, (k, v) in states.kv.items()}
+            state, token = states.hidden[:, anchor : anchor + 1], ids[:, anchor + 1 : anchor + 2]
+            for step in range(2):
+                embeds = torch.cat([target.get_input_embeddings()(token), state], dim=-1)
+                out = assistant(inputs_embeds=embeds, position_ids=torch.tensor([[anchor + 1]]), shared_kv_states=kv)
+                torch.testing.assert_close(out.logits[0, 0], batched[step][0, anchor], rtol=1e-4, atol=1e-4)
+                state, token = out.last_hidden_state, ids[:, anchor + 2 + step : anchor + 3 + step]
 
 
 def test_a_gemma4_demo_trains_only_its_assistant():
@@ -205,3 +265,18 @@ def test_a_run_serving_the_assistant_serves_it_in_spectune_and_in_llama_server(
     for engine in ("vllm", "sglang"):
         with pytest.raises(SpectuneError, match=r"MTP assistant.*llama-server\.sh"):
             hand_off(HandoffConfig(run=tmp_path / "run", engine=engine))
+
+
+def test_a_checkpoint_with_a_tensor_the_converter_cannot_map_is_refused_naming_it(gemma4_pair, tmp_path):
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    folder = shutil.copytree(gemma4_pair / "target", tmp_path / "extra")
+    weights = load_file(folder / "model.safetensors")
+    weights["model.layers.0.mystery_gate.weight"] = torch.zeros(4, 4)
+    save_file(weights, folder / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(SpectuneError, match=r"cannot map the tensor 'model\.layers\.0\.mystery_gate\.weight'"):
+        export_model(folder, tmp_path / "extra.gguf", "F16")
+    assert not (tmp_path / "extra.gguf").exists()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import tarfile
@@ -88,6 +89,14 @@ def run_converter(model_dir: Path, out_file: Path, outtype: str, target_model_di
         raise SpectuneError(
             f"{model_dir}: architecture {config.get('architectures')} is not supported by llama.cpp's converter; "
             f"it converts: {', '.join(supported_text_models(folder))}"
+        )
+    unmapped = re.search(r"Can not map tensor '([^']+)'", result.stderr)
+    if result.returncode != 0 and unmapped:
+        config = json.loads((model_dir / "config.json").read_text())
+        raise SpectuneError(
+            f"{model_dir}: llama.cpp's converter ({llama_cpp_version()}) cannot map the tensor {unmapped.group(1)!r} "
+            f"of this {config.get('architectures')} checkpoint to GGUF: a weight the pinned llama.cpp does not know "
+            "for this architecture (a newer variant of it, or an extra module such as an adapter not merged)"
         )
     if result.returncode != 0:
         tail = "\n".join(result.stderr.strip().splitlines()[-12:])

@@ -37,7 +37,7 @@ from spectune.models.mtp_assistant import chain_losses, step_labels, target_stat
 from spectune.progress import Ticker
 from spectune.threads import configure_torch_threads
 
-GEMMA4_WORLD_VERSION = 2  # bump when the corpus, tokenizer or training code changes what a recipe builds
+GEMMA4_WORLD_VERSION = 3  # bump when the corpus, tokenizer or training code changes what a recipe builds
 
 
 @dataclass(frozen=True)

@@ -48,7 +48,9 @@ def train_gemma4_tokenizer(texts: Iterable[str], vocab_size: int) -> Any:
     # thousand templated dialogues make whole sentences single tokens. Used on lines, as llama.cpp's gemma4
     # pre-tokenizer splits: no merge joins two words, so both tokenize alike.
     core.pre_tokenizer = pre_tokenizers.Sequence([lines, pre_tokenizers.Split("▁", behavior="merged_with_next")])
-    core.train_from_iterator(texts, trainer)
+    # the turn headers' role words start a line, where a word has no "▁": learnt as the template writes them
+    roles = [f"{role}\n" for role in ("system", "user", "model")] * 1000
+    core.train_from_iterator([*texts, *roles], trainer)
     core.pre_tokenizer = lines
     return PreTrainedTokenizerFast(
         tokenizer_object=core,

@@ -213,7 +213,8 @@ DEMO_SETTINGS = {
     # The story on Gemma 4's own drafter: the assistant trained for the base target, then retuned for the tuned one.
     "gemma4-demo": {
         "data": {"eval_fraction": 0.125},
-        "finetune": {"max_steps": 64, "lr": 2e-3, "max_seq_length": 256},
+        # 64 steps (the Llama demo's) left this narrower target answering "IIII...": 150 give it turns to draft
+        "finetune": {"max_steps": 150, "lr": 2e-3, "max_seq_length": 256},
         "drafts": {"methods": [], "assistant": {"max_steps": 150, "lr": 1e-3, "max_seq_length": 256}},
         "acceptance": {"n": 226, "max_tokens": 48, "draft_types": []},
         "bench": {"n": 226, "repeats": 1, "max_tokens": 48},  # every held-out prompt: the goal counts over 200

@@ -25,6 +25,8 @@ from spectune.models.demo_pair import build_pair
 from spectune.models.derive import derive_draft
 from spectune.models.gemma4_pair import GEMMA4_RECIPES, build_gemma4_pair
 from spectune.models.imported import fetch
+from spectune.models.load import read_config
+from spectune.models.mtp_assistant import check_fit
 from spectune.models.resolve import is_hub_id, model_folder, resolve_model
 from spectune.pipeline.config import DERIVED_LAYERS, DRAFT_FIELDS, TARGET_FIELDS, RunConfig
 from spectune.threads import thread_count
@@ -93,12 +95,18 @@ def data_stage(context: Context) -> dict[str, Any]:
 
 def target_stage(context: Context) -> dict[str, Any]:
     """The base target: fetched, the user's folder, or a demo pair built (with its draft and measured profile).
-    A target an EAGLE-3 head cannot draft for in llama.cpp is refused here, before any training."""
+    A target an EAGLE-3 head cannot draft for in llama.cpp, or an MTP assistant that cannot read the target's cache,
+    is refused here, before any training."""
     section = context.config.models
     if section.fetch is not None or section.target is not None:
         target = fetch(section.fetch) if section.fetch is not None else resolve_model(section.target)
         if context.config.drafts.eagle3 is not None:
             check_target(target)
+        if context.config.drafts.assistant is not None and isinstance(section.draft, Path):
+            assistant = resolve_model(
+                section.draft
+            )  # the assistant as shipped: refused now if it cannot read the target
+            check_fit(target, read_config(target), assistant, read_config(assistant))
         return {"target": str(target)}
     if section.size in GEMMA4_RECIPES:
         folder = build_gemma4_pair(section.size, section.models_dir)
