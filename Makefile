@@ -7,6 +7,11 @@ export CMAKE_BUILD_PARALLEL_LEVEL ?= 2
 # Without llamafile's tinyBLAS, batched logits equal one-token logits, so speculative answers are the target's own
 # (README "Identical answers"). LLAMAFILE=ON trades that promise for faster CPU prefill and verification.
 LLAMAFILE ?= OFF
+# llama.cpp for the NVIDIA card this machine has (and a CUDA toolkit to build for it), else for the CPU:
+# GPU=cuda or GPU=cpu forces either way, CUDA_ARCH=89 names the card's compute capability (src/spectune/accelerator.py).
+GPU ?= auto
+CUDA_ARCH ?=
+ACCELERATOR = PYTHONPATH=src $(PY) -m spectune.accelerator --gpu '$(GPU)' --cuda-arch '$(CUDA_ARCH)' --llamafile $(LLAMAFILE)
 LLAMA_CPP_PIN := $(shell grep -o 'llama-cpp-python==[0-9.]*' pyproject.toml)
 
 .PHONY: demo test test-fast lint install clean
@@ -20,11 +25,12 @@ PATCHES := src/spectune/llama_cpp_patch.py $(wildcard src/spectune/llama_cpp_pat
 # it fails): `make demo` prints the demo's story only.
 $(VENV)/.installed: pyproject.toml $(PATCHES)
 	@test -x $(PY) || python3 -m venv $(VENV)
+	@$(ACCELERATOR) --describe
 	@echo "installing into $(VENV): llama.cpp compiles from source, 10 to 20 minutes on 2 cores (log: $(VENV)/install.log)"
-	@{ rm -rf $(LLAMA_CPP_SDIST) && mkdir -p $(LLAMA_CPP_SDIST)/src \
+	@{ $(ACCELERATOR) --describe && flags=$$($(ACCELERATOR)) && rm -rf $(LLAMA_CPP_SDIST) && mkdir -p $(LLAMA_CPP_SDIST)/src \
 		&& $(PY) -m pip download $(PIP_FLAGS) --no-binary :all: --no-deps -d $(LLAMA_CPP_SDIST) '$(LLAMA_CPP_PIN)' \
 		&& source=$$(PYTHONPATH=src $(PY) -m spectune.llama_cpp_patch $(LLAMA_CPP_SDIST)/*.tar.gz $(LLAMA_CPP_SDIST)/src) \
-		&& CMAKE_ARGS="-DGGML_LLAMAFILE=$(LLAMAFILE) $(CMAKE_ARGS)" $(PY) -m pip install $(PIP_FLAGS) --no-cache-dir \
+		&& CMAKE_ARGS="$$flags $(CMAKE_ARGS)" $(PY) -m pip install $(PIP_FLAGS) --no-cache-dir \
 			--force-reinstall --no-deps "$$source" \
 		&& rm -rf $(LLAMA_CPP_SDIST) && $(PY) -m pip install $(PIP_FLAGS) -e '.[dev]'; } \
 		> $(VENV)/install.log 2>&1 || { tail -n 40 $(VENV)/install.log; exit 1; }

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import re
+import statistics
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -163,11 +164,36 @@ def heads_table() -> str:
     return "\n".join(lines)
 
 
+# The Gemma 4 demo's MTP assistant, as shipped (generic) and retuned: llama.cpp's draft-mtp and spectune's loop at k = 3
+ASSISTANT_FILES = ("eagle3_gemma4_demo_assistant.json", "bench_gemma4_demo_k3.json")
+ASSISTANT_HEADER = (
+    "| assistant | k | prompts | identical: llama.cpp's draft-mtp / spectune's loop | accepted, llama.cpp's count: "
+    "all / median per prompt | spectune's loop: median per prompt / tokens per target pass | α (offline, the "
+    "target's own answers) |\n|---|---|---|---|---|---|---|"
+)
+
+
+def assistant_table() -> str:
+    llama_cpp, ours = (json.loads((RESULTS / file).read_text()) for file in ASSISTANT_FILES)
+    lines = [ASSISTANT_HEADER]
+    for name, f in llama_cpp["drafts"].items():
+        mine = ours["summary"][name]
+        per_prompt = [p["variants"][name] for p in ours["prompts"] if p["variants"][name]["offered"]]
+        median = statistics.median(v["accepted_as_llama_cpp"] / v["offered"] for v in per_prompt)
+        words = "as shipped (trained for the base target)" if name == "generic" else "retuned for the tuned target"
+        lines.append(
+            f"| {words} | {f['k_decoded']} | {f['n']} | {f['identical']}/{f['n']} / {mine['identical']}/{mine['n']} "
+            f"| {f['llama_cpp_acceptance']:.1%} / {f['median_prompt_acceptance']:.1%} "
+            f"| {median:.1%} / {mine['mean_accepted_len']:.2f} | {f['alpha']:.1%} |"
+        )
+    return "\n".join(lines)
+
+
 ROOT = Path(__file__).parent.parent
 # Each page's generated blocks: the table's name in its markers, and what renders it
 BLOCKS: dict[str, dict[str, Callable[[], str]]] = {
     "README.md": {"headline": headline_table},
-    "docs/results.md": {"pairs": table, "heads": heads_table},
+    "docs/results.md": {"pairs": table, "heads": heads_table, "assistant": assistant_table},
 }
 
 

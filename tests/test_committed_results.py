@@ -58,4 +58,4 @@ def test_every_summary_is_what_its_rows_say_with_todays_code(path):
             if committed.get(key) is not None:
                 assert close(value, committed[key]), f"{name} {key}: {value} now, {committed[key]} committed"
                 checked += 1
-    assert checked >= 100  # the rows really were read: a dozen figures and more per variant
+    assert checked >= 20 * len(drafts_of(result))  # the rows really were read: a score of figures per variant

@@ -97,14 +97,20 @@ def test_a_run_whose_assistant_cannot_read_its_target_stops_at_the_target_stage(
     assert not (tmp_path / "out").exists()
 
 
-def test_every_anchor_at_once_drafts_as_transformers_assistant_does_from_one():
+@pytest.mark.parametrize("family", ["Gemma4", "Gemma4Unified"])  # the 12B's assistant is the unified one
+def test_every_anchor_at_once_drafts_as_transformers_assistant_does_from_one(family):
     """The batched drafting step (all anchors, one causal mask over the target's keys) gives, at each anchor, the
-    logits transformers' Gemma4AssistantForCausalLM gives when assisted generation calls it from that anchor alone:
-    the target's keys cut after it, (embedding, state) in, at the next position; and so on along the chain."""
+    logits transformers' assistant gives when assisted generation calls it from that anchor alone: the target's
+    keys cut after it, (embedding, state) in, at the next position; and so on along the chain."""
     import torch
-    from transformers import Gemma4AssistantConfig, Gemma4AssistantForCausalLM, Gemma4ForCausalLM, Gemma4TextConfig
+    import transformers
 
-    from spectune.models.mtp_assistant import target_states, unroll
+    from spectune.models.mtp_assistant import fit_problems, target_states, unroll
+
+    Gemma4TextConfig, Gemma4ForCausalLM = (getattr(transformers, f"{family}{n}") for n in ("TextConfig", "ForCausalLM"))
+    Gemma4AssistantConfig, Gemma4AssistantForCausalLM = (
+        getattr(transformers, f"{family}Assistant{n}") for n in ("Config", "ForCausalLM")
+    )
 
     shape = {"vocab_size": 97, "num_key_value_heads": 2, "head_dim": 16, "global_head_dim": 32}
     shape |= {"vocab_size_per_layer_input": 0, "hidden_size_per_layer_input": 0, "sliding_window": 64}
@@ -119,6 +125,7 @@ def test_every_anchor_at_once_drafts_as_transformers_assistant_does_from_one():
     assistant = Gemma4AssistantForCausalLM(
         Gemma4AssistantConfig(text_config=text, backbone_hidden_size=64, use_ordered_embeddings=False)
     ).eval()
+    assert fit_problems(target.config.to_dict(), assistant.config.to_dict()) == []
     ids = torch.randint(0, 97, (1, 12), generator=torch.Generator().manual_seed(1))
     states = target_states(target, ids)
     with torch.no_grad():

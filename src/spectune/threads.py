@@ -11,6 +11,9 @@ from spectune.config import Settings
 DEFAULT_N_CTX = 4096  # a model's context (per slot, in a server) where its user names none
 
 
+ALL_LAYERS = -1  # llama.cpp offloads every layer (n_gpu_layers = -1)
+
+
 class ThreadsSettings(Settings):
     """The one definition of a verb's thread count (torch's and llama.cpp's)."""
 
@@ -24,6 +27,12 @@ class LlamaSettings(ThreadsSettings):
 
     n_ctx: int = Field(DEFAULT_N_CTX, ge=64, description="Context length (per slot, in a server).")
     exact: bool = Field(True, description="Batched logits equal to one-token ones (identical greedy answers).")
+    gpu_layers: int = Field(
+        ALL_LAYERS,
+        ge=ALL_LAYERS,
+        description="Layers llama.cpp offloads to the GPU: -1 every one (the default), 0 none; a CPU build of "
+        "llama.cpp runs them all on the CPU whatever this says.",
+    )
 
 
 def thread_count(requested: int | None = None) -> int:

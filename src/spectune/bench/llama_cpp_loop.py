@@ -23,6 +23,7 @@ from spectune.engines.llama_server import (
     NgramType,
     exact_flags,
     free_port,
+    gpu_flags,
     server_command,
     server_env,
     speculation_flags,
@@ -31,6 +32,7 @@ from spectune.engines.llama_server import (
 from spectune.errors import SpectuneError
 from spectune.runtime.decode import DecodeSettings
 from spectune.runtime.ngram import NgramSettings
+from spectune.threads import ALL_LAYERS
 
 LOG_ATTEMPTS = 8
 BASELINE_READY_SECONDS = 120.0
@@ -78,6 +80,7 @@ def run_peer(
         *(str(binary), "-m", str(target), *speculation),
         *("-p", prompt, "-n", str(max_tokens), "-c", str(n_ctx), "--temp", "0", "--top-k", "1"),
         *thread_flags(threads),
+        *gpu_flags(ALL_LAYERS, draft is not None),  # every layer on the GPU where the tool is built for one
         *exact_flags(exact),
     ]
     env = {**os.environ, **server_env(exact, None)}

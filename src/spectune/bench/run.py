@@ -49,14 +49,14 @@ def load_decoders(config: BenchConfig) -> tuple[LlamaModel, dict[str, Speculativ
     """The target alone, then the target with each draft and n-gram variant (one context per model, shared: a
     cache holds what it holds by content, whichever decoder filled it; an EAGLE-3 head's holds its own drafted
     pairs too, so each variant gets its own head)."""
-    target = LlamaModel(config.target, n_ctx=config.n_ctx, threads=config.threads, exact=config.exact)
+    loading = {"n_ctx": config.n_ctx, "threads": config.threads, "gpu_layers": config.gpu_layers}
+    target = LlamaModel(config.target, exact=config.exact, **loading)
     decoders = {TARGET: SpeculativeDecoder(target)}
     if config.exact:  # what serving would run where no draft pays (bench/serving.py)
-        fastest = LlamaModel(config.target, n_ctx=config.n_ctx, threads=config.threads, exact=False)
-        decoders[FASTEST] = SpeculativeDecoder(fastest)
+        decoders[FASTEST] = SpeculativeDecoder(LlamaModel(config.target, exact=False, **loading))
 
     def load(path: Path) -> LlamaModel:
-        return LlamaModel(path, n_ctx=config.n_ctx, threads=config.threads, exact=config.exact, beside=target)
+        return LlamaModel(path, exact=config.exact, beside=target, **loading)
 
     models = {name: load(path) for name, path in config.drafts.items()}
     heads_taken: set[Path] = set()
@@ -106,6 +106,8 @@ def bench(config: BenchConfig) -> dict[str, Any]:
             "draft_max": {name: draft_length(config, name) for name in config.variants()},
             "threads": target.threads,
             "exact": config.exact,
+            "gpu_layers": config.gpu_layers,
+            "device": target.device,  # every model of the bench loads alike
             "greedy": True,
             "peer": "llama.cpp llama-speculative-simple" if config.peer else None,
             "build": verdict["build"],

@@ -11,6 +11,7 @@ import typer
 from pydantic import Field
 from rich.table import Table
 
+from spectune.accelerator import choose
 from spectune.bench.config import BenchConfig
 from spectune.bench.run import bench as run_bench
 from spectune.cli.shared import console
@@ -20,7 +21,8 @@ from spectune.flags import config_command
 from spectune.gpu.predict import STORY_GOALS, PredictConfig
 from spectune.gpu.predict import predict as run_predict
 from spectune.llama_cpp_pin import binding_patched, patched_build
-from spectune.runtime.build import build_features, build_name, identity_verdict
+from spectune.runtime.build import build_features, build_name, gpu_offload, identity_verdict, torch_device
+from spectune.runtime.llama import LlamaModel
 from spectune.serve.client import run_call
 from spectune.serve.config import ServeConfig
 from spectune.serve.engine import serve_llama_cpp
@@ -154,6 +156,9 @@ def doctor(config: DoctorConfig) -> None:
     Exits 1 when a GGUF cannot be promised identical answers, so a script can stop before relying on it."""
     features = [name if value == "1" else f"{name}={value}" for name, value in build_features().items() if value != "0"]
     console.print(f"{build_name()}; threads {thread_count()}; compiled in: {', '.join(features)}")
+    backend = "CUDA (layers offloaded to the GPU)" if gpu_offload() else "CPU (every layer on the CPU)"
+    console.print(f"llama.cpp build: {backend}; training (torch): {torch_device()}")
+    console.print(f"`make install` here builds: {choose().describe().removeprefix('llama.cpp: ')}")
     if binding_patched():
         console.print(f"llama.cpp patches: applied ({patched_build()}: EAGLE-3 layer inputs for qwen2, gemma3)")
     else:  # llama.cpp's own tools are built patched; spectune's own loop runs in this binding
@@ -164,7 +169,12 @@ def doctor(config: DoctorConfig) -> None:
             raise SpectuneError(f"{gguf}: no such GGUF file")
         verdict = identity_verdict(gguf, config.exact)
         types = ", ".join(f"{count} {name}" for name, count in verdict["matrix_types"].items())
-        console.print(f"{gguf}: weight matrices {types}")
+        model = LlamaModel(gguf, n_ctx=64, threads=1)
+        console.print(f"{gguf}: weight matrices {types}; runs on {model.device}")
+        if gpu_offload():  # the rule below is the CPU kernels': a GPU's are checked by measuring, not assumed
+            console.print(
+                "  [yellow]on the GPU: identical answers not established here[/]: `spectune bench` counts them"
+            )
         if verdict["guaranteed"]:
             console.print("  [green]identical answers: guaranteed[/] (batched logits equal one-token logits)")
         for reason in verdict["reasons"]:

@@ -59,7 +59,11 @@ class InfoConfig(Settings):
 
 class BuildToolsConfig(JobsSettings):
     cmake_arg: list[str] = Field([], description="Extra cmake flag, e.g. -DGGML_CUDA=on.")
-    variant: str = Field("cpu", description="Name of this build (cpu, cuda, ...): each is cached apart.")
+    variant: str | None = Field(
+        None,
+        description="Name of this build (cpu, cuda, ...), each cached apart; default: the installed binding's (cuda "
+        "where it offloads to a GPU, built for CUDA_ARCH or the card found).",
+    )
 
 
 class BuildLibsConfig(JobsSettings):

@@ -14,12 +14,13 @@ import subprocess
 import tarfile
 from pathlib import Path
 
+from spectune.accelerator import choose
 from spectune.atomic import atomic_path
 from spectune.cache import cache_root, compiled_library
 from spectune.errors import SpectuneError
 from spectune.llama_cpp_patch import PatchError, apply_patches
 from spectune.llama_cpp_pin import fetch_sdist, llama_cpp_version, patched_build
-from spectune.runtime.build import llamafile_compiled
+from spectune.runtime.build import gpu_offload, llamafile_compiled
 
 SPECULATIVE_TOOL, SERVER = "llama-speculative-simple", "llama-server"
 IMATRIX_TOOL, QUANTIZE_TOOL = "llama-imatrix", "llama-quantize"  # quantizing with an importance matrix (export)
@@ -66,18 +67,23 @@ def _switch(on: bool) -> str:
     return "on" if on else "off"
 
 
-def tools_dir(variant: str = "cpu") -> Path:
-    """Where the built binaries live: built with llamafile as the installed binding has it, so all run the same
-    kernels (README "Identical answers")."""
+def binding_variant() -> str:
+    """The tools' build that runs the kernels the installed binding runs: cuda where it offloads to a GPU."""
+    return "cuda" if gpu_offload() else "cpu"
+
+
+def tools_dir(variant: str | None = None) -> Path:
+    """Where the built binaries live: built with llamafile as the installed binding has it, and for its device, so
+    all run the same kernels (README "Identical answers")."""
     llamafile = _switch(llamafile_compiled())
-    return cache_root() / "llama.cpp-bin" / f"{patched_build()}-{variant}-llamafile-{llamafile}"
+    return cache_root() / "llama.cpp-bin" / f"{patched_build()}-{variant or binding_variant()}-llamafile-{llamafile}"
 
 
-def tool_path(tool: str = SPECULATIVE_TOOL, variant: str = "cpu") -> Path:
+def tool_path(tool: str = SPECULATIVE_TOOL, variant: str | None = None) -> Path:
     return tools_dir(variant) / tool
 
 
-def built_tool(tool: str, variant: str = "cpu") -> Path:
+def built_tool(tool: str, variant: str | None = None) -> Path:
     """The binary of `tool`, or a clear error that says how to build it."""
     binary = tool_path(tool, variant)
     if not binary.is_file():
@@ -106,9 +112,13 @@ def run_tool(command: list[str], what: str) -> None:
         raise SpectuneError(f"{what} failed (exit {result.returncode}): {' '.join(command)}\n{tail}")
 
 
-def build_llama_cpp(cmake_args: tuple[str, ...] = (), variant: str = "cpu", jobs: int | None = None) -> Path:
+def build_llama_cpp(cmake_args: tuple[str, ...] = (), variant: str | None = None, jobs: int | None = None) -> Path:
     """Build llama.cpp's tools (TOOLS) in one tree (cmake, ~10 min on 2 cores); returns their folder. Cached per
-    variant; a folder missing any of them is built again (the build tree is kept: only what is new compiles)."""
+    variant (default: the binding's, cuda with CUDA_ARCH or the card's compute capability where it offloads); a
+    folder missing any of them is built again (the build tree is kept: only what is new compiles)."""
+    variant = variant or binding_variant()
+    if variant == "cuda" and not any(arg.startswith("-DGGML_CUDA") for arg in cmake_args):
+        cmake_args = (*choose("cuda", os.environ.get("CUDA_ARCH")).cmake_args()[1:], *cmake_args)
     folder = tools_dir(variant)
     if all((folder / tool).is_file() for tool in TOOLS):
         return folder

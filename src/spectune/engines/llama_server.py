@@ -25,6 +25,7 @@ from spectune.runtime.decode import DecodeSettings
 from spectune.runtime.llama import spec_type
 from spectune.runtime.ngram import NGRAM, NgramSettings
 from spectune.runtime.registry import Variant
+from spectune.threads import ALL_LAYERS
 
 READY_POLL_SECONDS = 0.2
 STOP_SECONDS = 10.0
@@ -57,13 +58,14 @@ def server_command(
     lookups: tuple[str, ...] = (),
     ngram: NgramSettings | None = None,
     draft_type: str | None = None,
+    gpu_layers: int = ALL_LAYERS,
 ) -> list[str]:
     """`llama-server` serving `target` (with `draft` and/or n-gram lookup speculating, see speculation_flags), a
     request's defaults from `decode`. The API key is not here: it goes through LLAMA_API_KEY, out of `ps`."""
     command = [str(binary), "-m", str(target), "-a", model_name, "--host", host, "--port", str(port)]
     # -c is shared by the slots: each gets n_ctx as in spectune's own server.
     command += ["-c", str(n_ctx * slots), "-np", str(slots), *thread_flags(threads)]
-    command += ["--jinja", "--metrics", "--no-webui"]
+    command += ["--jinja", "--metrics", "--no-webui", *gpu_flags(gpu_layers, draft is not None)]
     ngram_n = (ngram or NgramSettings()).min_n
     command += speculation_flags(
         draft, decode.k, threads, lookups, decode.draft_p_min, ngram_n=ngram_n, draft_type=draft_type
@@ -72,6 +74,12 @@ def server_command(
     command += ["--top-p", str(decode.top_p)] + (["-s", str(decode.seed)] if decode.seed is not None else [])
     command += ["--ignore-eos"] if decode.ignore_eos else []
     return command + exact_flags(exact)
+
+
+def gpu_flags(gpu_layers: int, draft: bool) -> list[str]:
+    """The layers llama.cpp's tools offload, target and draft alike (-1: all; a CPU build ignores them)."""
+    layers = "all" if gpu_layers == ALL_LAYERS else str(gpu_layers)
+    return ["-ngl", layers, *(["-ngld", layers] if draft else [])]
 
 
 def thread_flags(threads: int) -> list[str]:

@@ -23,7 +23,7 @@ from typing import Any
 from spectune.errors import SpectuneError
 
 ASSISTANT_MODEL_TYPES = ("gemma4_assistant", "gemma4_unified_assistant")
-TARGET_MODEL_TYPES = ("gemma4", "gemma4_text", "gemma4_unified")
+TARGET_MODEL_TYPES = ("gemma4", "gemma4_text", "gemma4_unified", "gemma4_unified_text")
 STEP_WEIGHT = 0.8  # the loss of unrolled step i weighs STEP_WEIGHT**i: a later guess counts only if earlier ones hit
 
 

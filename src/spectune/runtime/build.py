@@ -47,6 +47,20 @@ def llamafile_compiled() -> bool:
     return build_features().get("LLAMAFILE") == "1"
 
 
+def gpu_offload() -> bool:
+    """Whether this llama.cpp build can run layers on a GPU (a CUDA build: `make install` on a machine with one)."""
+    import llama_cpp
+
+    return bool(llama_cpp.llama_supports_gpu_offload())
+
+
+def torch_device() -> str:
+    """Where training runs: the CUDA card torch sees, else the CPU."""
+    import torch
+
+    return f"cuda ({torch.cuda.get_device_name(0)})" if torch.cuda.is_available() else "cpu"
+
+
 def build_name() -> str:
     """The binding and how it was built, as answers and reports name it."""
     import llama_cpp

@@ -28,7 +28,7 @@ from spectune.cache import compiled_library
 from spectune.errors import SpectuneError
 from spectune.runtime.build import build_features, read_gguf
 from spectune.runtime.layer_inputs import shim
-from spectune.threads import DEFAULT_N_CTX, thread_count
+from spectune.threads import ALL_LAYERS, DEFAULT_N_CTX, thread_count
 
 _backend_ready = False
 ABORT_SOURCE = Path(__file__).with_name("abort_flag.c")
@@ -108,9 +108,11 @@ class LlamaModel:
         exact: bool = True,
         n_batch: int = 512,
         beside: LlamaModel | None = None,
+        gpu_layers: int = ALL_LAYERS,
     ) -> None:
-        """`beside`: the target an EAGLE-3 head runs beside (it borrows the target's token embeddings and reads
-        its layer inputs: runtime/eagle3_head.py); ignored for any other GGUF."""
+        """`beside`: the target a head runs beside (an EAGLE-3 head borrows the target's token embeddings and reads
+        its layer inputs: runtime/eagle3_head.py; an MTP assistant reads its KV cache); ignored for any other GGUF.
+        `gpu_layers`: layers offloaded to the GPU (-1: every one; a CPU build of llama.cpp runs them all here)."""
         import llama_cpp
 
         self.path = Path(path)
@@ -126,6 +128,7 @@ class LlamaModel:
         self.exact = exact
         model_params = llama_cpp.llama_model_default_params()
         model_params.use_extra_bufts = not exact and not _amx_compiled()
+        model_params.n_gpu_layers = gpu_layers
         self.model = llama_cpp.llama_model_load_from_file(str(self.path).encode(), model_params)
         if not self.model:
             raise SpectuneError(f"{self.path}: llama.cpp could not load this GGUF")
@@ -147,6 +150,7 @@ class LlamaModel:
         if self.is_head:
             shim().spectune_keep_hidden_state(self.ctx)
         self.n_embd = llama_cpp.llama_model_n_embd(self.model)
+        self.device = device_of(llama_cpp, llama_cpp.llama_model_n_layer(self.model), gpu_layers)
         self.kept_layers: list[int] = []  # layers whose inputs every decode keeps (an EAGLE-3 head's target)
         self.layer_inputs = np.zeros((0, 0), dtype=np.float32)  # [position, kept layer x n_embd]
         self.hidden_states = np.zeros((0, 0), dtype=np.float32)  # [position, n_embd]: an MTP assistant's target
@@ -319,6 +323,14 @@ class LlamaModel:
     def reusable_prefix(self, tokens: list[int]) -> int:
         """How many leading `tokens` the cache already holds (a new turn of a conversation reuses them)."""
         return common_prefix(self.cached, tokens)
+
+
+def device_of(lib, layers: int, gpu_layers: int) -> str:
+    """Where a model's layers run: on the CPU, or so many of them on the GPU (the rest on the CPU)."""
+    if not lib.llama_supports_gpu_offload() or gpu_layers == 0:
+        return "CPU"
+    offloaded = layers if gpu_layers < 0 else min(gpu_layers, layers)
+    return f"GPU ({offloaded}/{layers} layers)"
 
 
 def common_prefix(have: list[int], want: list[int]) -> int:

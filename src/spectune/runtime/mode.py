@@ -40,6 +40,7 @@ from spectune.runtime.draft_model import DRAFT
 from spectune.runtime.llama import LlamaModel
 from spectune.runtime.registry import Variant
 from spectune.runtime.speculative import SpeculativeDecoder
+from spectune.threads import ALL_LAYERS
 
 Mode = Literal["auto", "speculative", "fastest"]
 Chosen = Literal["speculative", "fastest"]
@@ -122,18 +123,20 @@ class DecoderSource:
     exact: bool  # the speculative mode's setting (fastest is never exact)
     lookups: tuple[str, ...] = ()  # model-free speculators in front of the draft, in order (runtime/registry.py)
     setups: dict[str, Any] = field(default_factory=dict)  # what the verb gave each of them (n-gram: NgramSetup)
+    gpu_layers: int = ALL_LAYERS  # offloaded to the GPU, where llama.cpp is built for one
 
     @property
     def speculates(self) -> bool:
         return self.draft is not None or bool(self.lookups)
 
     def load(self, mode: Chosen) -> SpeculativeDecoder:
+        loading = {"n_ctx": self.n_ctx, "threads": self.threads, "gpu_layers": self.gpu_layers}
         if mode == "fastest":
-            return SpeculativeDecoder(LlamaModel(self.target, n_ctx=self.n_ctx, threads=self.threads, exact=False))
-        target = LlamaModel(self.target, n_ctx=self.n_ctx, threads=self.threads, exact=self.exact)
+            return SpeculativeDecoder(LlamaModel(self.target, exact=False, **loading))
+        target = LlamaModel(self.target, exact=self.exact, **loading)
         draft = None
-        if self.draft:  # an EAGLE-3 head runs beside its target; any other draft ignores `beside`
-            draft = LlamaModel(self.draft, n_ctx=self.n_ctx, threads=self.threads, exact=self.exact, beside=target)
+        if self.draft:  # a head runs beside its target; any other draft ignores `beside`
+            draft = LlamaModel(self.draft, exact=self.exact, beside=target, **loading)
         variant = Variant(self.lookups, DRAFT if draft else None)
         return SpeculativeDecoder(target, variant.speculators(target, draft, self.setups))
 

@@ -68,6 +68,7 @@ class Server:
         conversations = calibration_conversations(config.calibration_data)
         self.choice, first = choose(config.mode, source, conversations, self.decoding, recalibrate=config.recalibrate)
         check_slot_memory(first, config.slots, self.choice.mode)
+        self.device = first.target.device  # where the models run: the CPU, or so many layers on the GPU
         self.slots.put_nowait(Slot(first))
         for _ in range(config.slots - 1):
             self.slots.put_nowait(Slot(source.load(self.choice.mode)))
@@ -116,6 +117,7 @@ class Server:
             "slots": self.config.slots,
             "mode": self.choice.mode,
             "mode_reason": self.choice.reason,
+            "device": self.device,
             **self.connection_limits,
         }
         return (200 if status == "ok" else 503), body

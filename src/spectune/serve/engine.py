@@ -34,6 +34,7 @@ def start_llama_server(config: ServeConfig, log: IO[str] | None = None, ready: f
         exact=config.exact,
         lookups=config.lookups(config.ngram is not None),
         ngram=config.ngram,
+        gpu_layers=config.gpu_layers,
     )
     check_command(command)  # a flag the pinned llama.cpp does not know fails here, not in the child
     host = f"[{config.host}]" if ":" in config.host else config.host

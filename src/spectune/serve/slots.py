@@ -84,6 +84,7 @@ def decoder_source(config: ServeConfig) -> DecoderSource:
         config.exact,
         config.lookups(config.ngram is not None),
         setups,
+        config.gpu_layers,
     )
 
 
