@@ -198,8 +198,9 @@ def replayed(assistant: Any, target: Any, tokenizer: Any, messages: list[dict[st
 def test_the_retuned_assistant_drafts_in_llama_cpp_and_spectunes_loop_with_the_target_alones_answers(
     gemma4_pair, tuned_gemma4, retuned, demo_data, tmp_path
 ):
-    """F32 GGUFs: every answer is the target alone's in llama.cpp's draft-mtp and in spectune's loop, and both accept,
-    prompt by prompt, as many drafted tokens as the meter's replay of the assistant in torch."""
+    """F32 GGUFs: every answer is the target alone's in llama.cpp's draft-mtp and in spectune's loop, and llama.cpp
+    accepts, prompt by prompt, what the meter's replay of the assistant in torch says (but for guesses after the end
+    token, which llama.cpp drafts on and counts)."""
     target_gguf = export_model(tuned_gemma4, tmp_path / "target.gguf", "F32")
     assistant_gguf = export_model(retuned, tmp_path / "assistant.gguf", "F32")
     assert spec_type(assistant_gguf) == "draft-mtp" and spec_type(target_gguf) == "draft-simple"
@@ -225,7 +226,10 @@ def test_the_retuned_assistant_drafts_in_llama_cpp_and_spectunes_loop_with_the_t
             tokens = chat_tokens(ours_target, prompt.messages)
             generation = ours.generate(tokens, DecodeSettings(max_tokens=MAX_TOKENS, draft_max=3))
             assert generation.tokens == alone_ours.generate(tokens, DecodeSettings(max_tokens=MAX_TOKENS)).tokens
-            assert run.accepted == replayed(heads["assistant"], target, tokenizer, prompt.messages, MAX_TOKENS)
+            replay = replayed(heads["assistant"], target, tokenizer, prompt.messages, MAX_TOKENS)
+            # llama.cpp drafts on past the end token and counts the guesses after it the target agrees with (up to
+            # k - 1 at the last step); the replay ends with the answer
+            assert replay <= run.accepted <= replay + 2
             accepted += run.accepted
             ours_accepted += generation.stats.accepted_as_llama_cpp
     assert accepted > 0  # the assistant guessed some of the tuned target's tokens, so acceptance was exercised
