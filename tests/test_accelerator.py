@@ -21,8 +21,9 @@ from spectune.runtime.mode import DecoderSource
 ROOT = Path(__file__).parent.parent
 
 
-def tools(tmp_path: Path, nvidia_smi: str | None, nvcc: bool) -> Path:
-    """A PATH folder with stand-ins: nvidia-smi printing `nvidia_smi` (None: no such tool), and nvcc."""
+def tools(tmp_path: Path, nvidia_smi: str | None, nvcc: bool | str) -> Path:
+    """A PATH folder with stand-ins: nvidia-smi printing `nvidia_smi` (None: no such tool), and nvcc in a toolkit
+    with cuBLAS (True), without it ("bare"), or none (False)."""
     folder = tmp_path / "bin"
     folder.mkdir(parents=True, exist_ok=True)
     scripts = {"nvidia-smi": f"echo {nvidia_smi}" if nvidia_smi is not None else None, "nvcc": "true" if nvcc else None}
@@ -30,10 +31,13 @@ def tools(tmp_path: Path, nvidia_smi: str | None, nvcc: bool) -> Path:
         if body is not None:
             (folder / name).write_text(f"#!/bin/sh\n{body}\n")
             (folder / name).chmod(0o755)
+    if nvcc is True:
+        (tmp_path / "lib64").mkdir(exist_ok=True)
+        (tmp_path / "lib64" / "libcublas.so.13").write_bytes(b"")
     return folder
 
 
-def cmake_args(tmp_path: Path, nvidia_smi: str | None, nvcc: bool, *flags: str) -> subprocess.CompletedProcess:
+def cmake_args(tmp_path: Path, nvidia_smi: str | None, nvcc: bool | str, *flags: str) -> subprocess.CompletedProcess:
     """What `make install` passes llama-cpp-python's build, with only the stand-ins (and the system's sh) on PATH."""
     path = f"{tools(tmp_path, nvidia_smi, nvcc)}:/usr/bin:/bin"
     command = [sys.executable, "-m", "spectune.accelerator", *flags]
@@ -47,6 +51,7 @@ def cmake_args(tmp_path: Path, nvidia_smi: str | None, nvcc: bool, *flags: str) 
         ("8.9", True, [], "-DGGML_LLAMAFILE=OFF -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=89"),  # the story's card
         ("8.6", True, ["--cuda-arch", "80"], "-DGGML_LLAMAFILE=OFF -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=80"),
         ("8.9", False, [], "-DGGML_LLAMAFILE=OFF"),  # a card but nothing to build for it with
+        ("8.9", "bare", [], "-DGGML_LLAMAFILE=OFF"),  # a toolkit without cuBLAS: llama.cpp's CUDA build stops
         (None, True, [], "-DGGML_LLAMAFILE=OFF"),  # a toolkit and no card: this machine, CI
         ("8.9", True, ["--gpu", "cpu"], "-DGGML_LLAMAFILE=OFF"),
         (None, True, ["--gpu", "cuda"], "-DGGML_LLAMAFILE=OFF -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=89"),
@@ -61,11 +66,13 @@ def test_the_install_builds_for_the_card_it_finds_or_the_cpu(tmp_path, card, nvc
 
 def test_the_install_says_which_build_and_why(tmp_path):
     said = cmake_args(tmp_path, "8.9", False, "--describe").stdout
-    assert said.startswith("llama.cpp: CPU build") and "no CUDA toolkit (nvcc)" in said
+    assert said.startswith("llama.cpp: CPU build") and "no CUDA toolkit (nvcc not on PATH)" in said
     said = cmake_args(tmp_path / "a", "8.9", True, "--describe").stdout
     assert "CUDA build for compute capability 89" in said
     refused = cmake_args(tmp_path / "b", None, False, "--gpu", "cuda")
     assert refused.returncode != 0 and "no CUDA toolkit" in refused.stderr  # forced, with nothing to build with
+    bare = cmake_args(tmp_path / "d", None, "bare", "--gpu", "cuda")  # this machine's toolkit: nvcc, no cuBLAS
+    assert bare.returncode != 0 and "has no cuBLAS" in bare.stderr
     assert "choose one of auto, cuda, cpu" in cmake_args(tmp_path / "c", None, False, "--gpu", "gpu").stderr
 
 

@@ -16,6 +16,7 @@ import shutil
 import subprocess
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 CHOICES = ("auto", "cuda", "cpu")
 STORY_CARD_ARCH = "89"  # an RTX 4060 Ti 16GB (Ada, compute capability 8.9): where no card says its own
@@ -52,6 +53,16 @@ def card_arch(which: Callable[[str], str | None], run: Callable[..., subprocess.
     return lines[0].replace(".", "") if lines and lines[0].replace(".", "").isdigit() else None
 
 
+def has_cublas(nvcc: str) -> bool:
+    """Whether the toolkit `nvcc` belongs to has cuBLAS, which llama.cpp's CUDA build links (a toolkit installed
+    without it, as this project's CPU machines have, stops that build at cmake: CUDA::cublas not found)."""
+    root = Path(nvcc).resolve().parent.parent
+    return any(
+        any(root.glob(pattern))
+        for pattern in ("lib64/libcublas.so*", "lib/libcublas.so*", "targets/*/lib/libcublas.so*")
+    )
+
+
 def choose(
     gpu: str = "auto",
     cuda_arch: str | None = None,
@@ -63,19 +74,23 @@ def choose(
         raise ValueError(f"GPU={gpu!r}: choose one of {', '.join(CHOICES)}")
     if gpu == "cpu":
         return Backend("cpu", None, "GPU=cpu")
-    toolkit = which("nvcc") is not None
+    nvcc = which("nvcc")
+    toolkit = nvcc is not None and has_cublas(nvcc)
     found = card_arch(which, run)
+    missing = "no CUDA toolkit (nvcc not on PATH)" if nvcc is None else f"the CUDA toolkit of {nvcc} has no cuBLAS"
     if gpu == "cuda":
         if not toolkit:
-            raise ValueError("GPU=cuda: no CUDA toolkit (nvcc not on PATH); install one or build with GPU=cpu")
+            raise ValueError(
+                f"GPU=cuda: {missing}, which llama.cpp's CUDA build needs; install it or build with GPU=cpu"
+            )
         arch = cuda_arch or found or STORY_CARD_ARCH
         where = "CUDA_ARCH" if cuda_arch else "the card found" if found else "the story's card class (no card found)"
         return Backend("cuda", arch, f"GPU=cuda, compute capability from {where}")
     if found is None:
-        toolkit_too = "; a CUDA toolkit is here: GPU=cuda builds for a card elsewhere" if toolkit else ""
+        toolkit_too = "; a CUDA toolkit is here: GPU=cuda builds for a card elsewhere" if toolkit else f"; {missing}"
         return Backend("cpu", None, f"no NVIDIA GPU found by nvidia-smi{toolkit_too}")
     if not toolkit:
-        return Backend("cpu", None, f"an NVIDIA GPU ({found}) but no CUDA toolkit (nvcc) to build for it")
+        return Backend("cpu", None, f"an NVIDIA GPU ({found}) but {missing} to build for it")
     return Backend("cuda", cuda_arch or found, "an NVIDIA GPU and a CUDA toolkit found")
 
 
