@@ -139,12 +139,7 @@ class LlamaModel:
         self.adds_bos = bool(llama_cpp.llama_vocab_get_add_bos(self.vocab))  # what llama.cpp's tools do to a prompt
         self.threads = thread_count(threads)
         self._abort_requested = ctypes.c_bool(False)  # read by abort_flag.c between graph nodes
-        context_params = self._context_params(n_ctx, n_batch, exact)
-        if self.is_head and beside is not None:
-            context_params.ctx_other = beside.ctx
-        if self.architecture == MTP_ASSISTANT:  # reads the target's KV cache, keeps none of its own
-            context_params.ctx_type = llama_cpp.LLAMA_CONTEXT_TYPE_MTP
-        self.ctx = llama_cpp.llama_init_from_model(self.model, context_params)
+        self.ctx = llama_cpp.llama_init_from_model(self.model, self._context_params(n_ctx, n_batch, exact, beside))
         if not self.ctx:
             raise SpectuneError(f"{self.path}: llama.cpp could not create a context of {n_ctx} tokens")
         if self.is_head:
@@ -166,8 +161,12 @@ class LlamaModel:
         self.busy = self._handles.lock  # held by whoever decodes and reads logits (a generation holds it throughout)
         self._finalizer = weakref.finalize(self, self._handles.free)
 
-    def _context_params(self, n_ctx: int, n_batch: int, exact: bool):
+    def _context_params(self, n_ctx: int, n_batch: int, exact: bool, beside: LlamaModel | None):
         params = self.lib.llama_context_default_params()
+        if self.is_head and beside is not None:
+            params.ctx_other = beside.ctx
+        if self.architecture == MTP_ASSISTANT:  # reads the target's KV cache, keeps none of its own
+            params.ctx_type = self.lib.LLAMA_CONTEXT_TYPE_MTP
         params.n_ctx, params.n_batch, params.n_ubatch = n_ctx, n_batch, n_batch
         # Both set explicitly: the default batch thread count stalled ~0.5 s per batch on 2 cores.
         params.n_threads = params.n_threads_batch = self.threads
