@@ -241,8 +241,8 @@ def test_a_run_serving_the_assistant_serves_it_in_spectune_and_in_llama_server(
     tuned_gemma4, retuned, demo_data, tmp_path
 ):
     """export_pair exports the assistant beside the target (draft-mtp in llama-server.sh); spectune's server drafts
-    with it and llama-server runs it, each answering as the target alone; a hand-off to vLLM or SGLang is refused
-    with what to run instead."""
+    with it and llama-server runs it, each answering as the target alone; vLLM is handed it as its `mtp` method, SGLang
+    refused with what to run instead."""
     from openai import OpenAI
 
     gguf = tmp_path / "run" / "gguf"
@@ -273,9 +273,11 @@ def test_a_run_serving_the_assistant_serves_it_in_spectune_and_in_llama_server(
     assert reply.choices[0].message.content == expected
     drafted = re.search(r"^llamacpp:spec_decode_num_draft_tokens_total (\S+)$", metrics, re.M)
     assert drafted is not None and float(drafted.group(1)) > 0  # the assistant drafted
-    for engine in ("vllm", "sglang"):
-        with pytest.raises(SpectuneError, match=r"MTP assistant.*llama-server\.sh"):
-            hand_off(HandoffConfig(run=tmp_path / "run", engine=engine))
+    report = hand_off(HandoffConfig(run=tmp_path / "run", engine="vllm"))  # vLLM 0.33.0 drafts with it (method mtp)
+    assert report["mtp"] and '"method": "mtp"' in report["command"]
+    assert (tmp_path / "run" / "handoff" / "vllm" / "draft" / "config.json").is_file()
+    with pytest.raises(SpectuneError, match=r"MTP assistant.*hand it to vllm"):
+        hand_off(HandoffConfig(run=tmp_path / "run", engine="sglang"))
 
 
 def test_a_checkpoint_with_a_tensor_the_converter_cannot_map_is_refused_naming_it(gemma4_pair, tmp_path):

@@ -13,6 +13,11 @@ SGLang's srt/models/llama_eagle3.py. They differ on the target layers: vLLM read
 `eagle_aux_hidden_state_layer_ids` as the inputs of those layers (as spectune trains and llama.cpp runs them);
 SGLang reads only `eagle_config`'s and captures one layer later (the output of layer i: its models' "val + 1"), so
 its copy of the head's config says each layer minus one.
+
+A Gemma 4 MTP assistant goes to vLLM as `{"method": "mtp", "model": ASSISTANT}`: vLLM 0.33.0's
+vllm/config/speculative.py turns a `gemma4_assistant` or `gemma4_unified_assistant` config into its `gemma4_mtp`
+drafter (one draft token per forward, the target's KV shared by its proposer). SGLang's support for it was not
+checked: refused there.
 """
 
 from __future__ import annotations
@@ -56,12 +61,13 @@ class HandoffConfig(Settings):
 
 
 def engine_command(
-    engine: Engine, target: Path, draft: Path, k: int, host: str, port: int, name: str, eagle3: bool = False
+    engine: Engine, target: Path, draft: Path, k: int, host: str, port: int, name: str, head: str | None = None
 ) -> list[str]:
-    """The command that serves `target` with `draft` (an EAGLE-3 head where `eagle3`) proposing `k` tokens a step,
-    greedy-verifiable."""
+    """The command that serves `target` with `draft` (a head where `head` names its kind: eagle3, or mtp for a
+    Gemma 4 assistant, which vLLM alone takes here) proposing `k` tokens a step, greedy-verifiable."""
+    eagle3 = head == "eagle3"
     if engine == "vllm":
-        method = "eagle3" if eagle3 else "draft_model"
+        method = head or "draft_model"
         speculative = {"method": method, "model": str(draft), "num_speculative_tokens": k}
         return ["vllm", "serve", str(target), "--served-model-name", name, "--host", host, "--port", str(port),
                 "--speculative-config", json.dumps(speculative)]  # fmt: skip
@@ -130,11 +136,11 @@ def sglang_head_config(draft: Path, layers: list[int]) -> None:
 def hand_off(config: HandoffConfig) -> dict[str, Any]:
     """Write OUT/target, OUT/draft, handoff.json and serve.sh; returns the report."""
     chosen = ChosenPair.read(RunLayout(config.run).chosen_pair)
-    if chosen.mtp:
+    if chosen.mtp and config.engine != "vllm":
         raise SpectuneError(
             f"{config.run}: its draft is a Gemma 4 MTP assistant; handing one to {config.engine} is not checked "
-            f"against {config.engine} {CHECKED_AGAINST[config.engine]}'s sources here: serve it with llama-server.sh "
-            "(draft-mtp) or `spectune serve`"
+            f"against {config.engine} {CHECKED_AGAINST[config.engine]}'s sources here: hand it to vllm, or serve it "
+            "with llama-server.sh (draft-mtp) or `spectune serve`"
         )
     if chosen.target_hf is None or chosen.draft_hf is None:
         raise SpectuneError(f"{config.run}: its pair.json predates hand-off; run `spectune run CONFIG --only export`")
@@ -144,7 +150,7 @@ def hand_off(config: HandoffConfig) -> dict[str, Any]:
     out = config.out or config.run / "handoff" / config.engine
     command = engine_command(
         config.engine, out / "target", out / "draft", chosen.alone_k, config.host, config.port, config.model_name,
-        chosen.eagle3,
+        "eagle3" if chosen.eagle3 else "mtp" if chosen.mtp else None,
     )  # fmt: skip
     report = {
         "engine": config.engine,
@@ -153,6 +159,7 @@ def hand_off(config: HandoffConfig) -> dict[str, Any]:
         "k": chosen.alone_k,
         "lookup_left_out": chosen.ngram is not None,  # neither engine chains n-gram lookup in front of a draft
         "eagle3": chosen.eagle3,
+        "mtp": chosen.mtp,
         "head_layers": layers,
         "vocabulary": vocabulary,
         "from": {"target": str(target), "draft": str(draft)},
@@ -166,7 +173,7 @@ def hand_off(config: HandoffConfig) -> dict[str, Any]:
             sglang_head_config(tmp / "draft", layers)
         (tmp / HANDOFF_REPORT).write_text(json.dumps(report, indent=2))
         script = tmp / SERVE_SCRIPT
-        kind = "EAGLE-3 head" if chosen.eagle3 else "draft"
+        kind = "EAGLE-3 head" if chosen.eagle3 else "MTP assistant" if chosen.mtp else "draft"
         script.write_text(
             f"#!/bin/sh\n# {config.engine} on the tuned pair: {kind} {chosen.draft_name}, k = {chosen.alone_k} "
             f"(its recommended k alone); flags checked against {report['checked_against']}.\n"
