@@ -237,9 +237,8 @@ def export_models(config: ExportPairConfig) -> dict[str, Any]:
     for name, folder in config.drafts.items():
         draft_file = config.out / gguf_name(name, quant)
         if is_head(folder):  # drafts only beside the target, checked with it: no standalone model to compare
-            head_target = (
-                config.target if is_eagle3_head(folder) else None
-            )  # an EAGLE-3 head's tokenizer is its target's
+            # an EAGLE-3 head's tokenizer and config are its target's; an MTP assistant carries its own
+            head_target = config.target if is_eagle3_head(folder) else None
             export_model(folder, draft_file, quant, keep_f16=config.keep_f16, target_model_dir=head_target)
             kind = "eagle3" if head_target else "mtp"
             report["models"][name] = {"gguf": str(draft_file), "bytes": draft_file.stat().st_size, kind: True}

@@ -306,11 +306,33 @@ def _data_files(context: Context) -> list[Path]:
     return [path for path in (section.path, section.eval_data) if isinstance(path, Path)]
 
 
+def head_stages(config: RunConfig, seqkd: tuple[str, ...]) -> list[Stage]:
+    """The drafts that read the tuned target's states, each where its section is given: an EAGLE-3 head (from seqkd's
+    answers where there are) and the retuned MTP assistant (from the base draft, the assistant as shipped)."""
+    heads = []
+    if config.drafts.eagle3 is not None:
+        heads.append(
+            Stage(EAGLE3, eagle3_stage, lambda c: [c.drafts.eagle3, c.data.seed], ("merge", *seqkd), _domain_file)
+        )
+    if config.drafts.assistant is not None:
+        heads.append(
+            Stage(
+                ASSISTANT,
+                assistant_stage,
+                lambda c: [c.drafts.assistant, c.data.seed],
+                ("base-draft", "merge", *seqkd),
+                _domain_file,
+            )
+        )
+    return heads
+
+
 def stages(config: RunConfig) -> list[Stage]:
     """The pipeline: each stage with the settings it reads, the stages it needs and the files it reads."""
     drafts = tuple(f"draft:{method}" for method in config.drafts.methods)
-    head = (EAGLE3,) * (config.drafts.eagle3 is not None) + (ASSISTANT,) * (config.drafts.assistant is not None)
-    seqkd = tuple(name for name in drafts if name == "draft:seqkd")  # its answers are the head's data
+    seqkd = tuple(name for name in drafts if name == "draft:seqkd")  # its answers are the heads' data
+    heads = head_stages(config, seqkd)
+    head = tuple(stage.name for stage in heads)
     bases = ("merge", "base-draft")  # the tuned target and the untrained control draft
     return [
         Stage("data", data_stage, lambda c: c.data, reads=_data_files),
@@ -339,22 +361,7 @@ def stages(config: RunConfig) -> list[Stage]:
             )
             for method in config.drafts.training_order()
         ),
-        *(
-            Stage(EAGLE3, eagle3_stage, lambda c: [c.drafts.eagle3, c.data.seed], ("merge", *seqkd), _domain_file)
-            for _ in head
-            if _ == EAGLE3
-        ),
-        *(
-            Stage(
-                ASSISTANT,
-                assistant_stage,
-                lambda c: [c.drafts.assistant, c.data.seed],
-                ("base-draft", "merge", *seqkd),
-                _domain_file,
-            )
-            for _ in head
-            if _ == ASSISTANT
-        ),
+        *heads,
         Stage("export", export_stage, lambda c: [c.export, c.threads], (*bases, *drafts, *head), _export_files),
         Stage(
             "acceptance",

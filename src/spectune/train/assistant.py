@@ -9,7 +9,6 @@ runs it with `--spec-type draft-mtp`.
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 from typing import Any
 
@@ -36,7 +35,7 @@ from spectune.train.common import (
     read_split,
     write_report,
 )
-from spectune.train.loop import fit
+from spectune.train.loop import fit_measured
 
 REPORT = "assistant.json"
 ASSISTANT = "assistant"  # the retuned assistant's name among a run's drafts
@@ -139,18 +138,14 @@ def train_assistant(config: AssistantConfig) -> AssistantResult:
     rows = [list(pair) for pair in zip(data.train["input_ids"], data.train["assistant_masks"], strict=True)]
     held_out = [list(pair) for pair in zip(data.eval["input_ids"], data.eval["assistant_masks"], strict=True)]
     chains = Chains(assistant, target, config.draft_steps, tokenizer.pad_token_id)
-    started = time.perf_counter()
-    before = chains.accuracy(held_out, config.batch_size)
-    steps, curve = fit(
-        assistant.train(),
+    fitted = fit_measured(
+        assistant,
         rows,
         lambda batch: chains.losses(batch)[0],
         lambda: chains.accuracy(held_out, config.batch_size),
         config,
         "retuning the assistant",
     )
-    after = chains.accuracy(held_out, config.batch_size)
-    seconds = time.perf_counter() - started
     out = config.out / "model"
     with atomic_path(out) as tmp:
         assistant.save_pretrained(str(tmp))
@@ -159,16 +154,16 @@ def train_assistant(config: AssistantConfig) -> AssistantResult:
     result = AssistantResult(
         model=out,
         parameters=sum(p.numel() for p in assistant.parameters()),
-        steps=steps,
+        steps=fitted.steps,
         train_dialogues=len(rows),
         trained_tokens=data.trained_tokens,
-        seconds=round(seconds, 2),
-        accuracy_before=before,
-        accuracy_after=after,
-        accuracy_by_steps={0: before, **curve, steps: after},
+        seconds=round(fitted.seconds, 2),
+        accuracy_before=fitted.before,
+        accuracy_after=fitted.after,
+        accuracy_by_steps=fitted.by_steps,
         peak_memory_bytes=peak,
         peak_memory_how=how,
     )
     write_report(config.out / REPORT, config, result, data)
-    console.print(f"assistant: {result.parameters:,} parameters, accuracy by step {before} -> {after}")
+    console.print(f"assistant: {result.parameters:,} parameters, accuracy by step {fitted.before} -> {fitted.after}")
     return result

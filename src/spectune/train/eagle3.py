@@ -51,7 +51,7 @@ from spectune.train.eagle3_head import (
     shifted,
     unroll,
 )
-from spectune.train.loop import fit
+from spectune.train.loop import fit_measured
 
 # HF model types whose llama.cpp graph hands its layer inputs to a draft (sets t_layer_inp): in the pinned sources,
 # and qwen2 (Qwen2.5) and gemma3 with spectune's patch (llama_cpp_patches/layer-inputs.patch).
@@ -285,18 +285,14 @@ def train_eagle3(config: Eagle3Config) -> Eagle3Result:
     initialise(head, target)
     del target
     held_out = batches(eval_items, config.batch_size, to_draft, config.ttt_steps)
-    started = time.perf_counter()
-    before = accuracy(head, held_out)
-    steps, curve = fit(
-        head.train(),
+    fitted = fit_measured(
+        head,
         train_items,
         lambda rows: step_losses(head, Batch(rows, to_draft, config.ttt_steps))[0],
         lambda: accuracy(head, held_out),
         config,
         "eagle3 head",
     )
-    after = accuracy(head.eval(), held_out)
-    seconds = time.perf_counter() - started
     save_head(head, shape, tokenizer, config.out / "model")
     all_labels = torch.cat(labels)
     held_out_labels = torch.cat([batch.labels[0][batch.labels[0] != NOT_A_LABEL] for batch in held_out])
@@ -308,15 +304,15 @@ def train_eagle3(config: Eagle3Config) -> Eagle3Result:
         coverage=round(float((to_draft[all_labels] >= 0).float().mean()), 4) if len(all_labels) else 0.0,
         held_out_coverage=round(float((held_out_labels >= 0).float().mean()), 4) if len(held_out_labels) else 0.0,
         parameters=sum(p.numel() for p in head.parameters()),
-        steps=steps,
+        steps=fitted.steps,
         train_dialogues=len(train_items),
         trained_tokens=len(all_labels),
         feature_seconds=round(sum(part.seconds for part in feature_runs), 2),
         features_computed=sum(part.computed for part in feature_runs),
-        seconds=round(seconds, 2),
-        accuracy_before=before,
-        accuracy_after=after,
-        accuracy_by_steps={0: before, **curve, steps: after},
+        seconds=round(fitted.seconds, 2),
+        accuracy_before=fitted.before,
+        accuracy_after=fitted.after,
+        accuracy_by_steps=fitted.by_steps,
         peak_memory_bytes=peak,
         peak_memory_how=how,
     )
@@ -324,5 +320,5 @@ def train_eagle3(config: Eagle3Config) -> Eagle3Result:
         tmp.write_text(
             json.dumps({"config": config.model_dump(mode="json"), "result": result.model_dump(mode="json")}, indent=2)
         )
-    console.print(f"eagle3 head: {result.parameters:,} parameters, accuracy by step {before} -> {after}")
+    console.print(f"eagle3 head: {result.parameters:,} parameters, accuracy by step {fitted.before} -> {fitted.after}")
     return result

@@ -7,7 +7,9 @@ from __future__ import annotations
 import json
 import math
 import shutil
+import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -49,6 +51,34 @@ def save_checkpoint(module: Any, optimizer: Any, schedule: Any, out: Path, step:
     for older in folder.parent.glob("checkpoint-*"):
         if older != folder:
             shutil.rmtree(older, ignore_errors=True)
+
+
+@dataclass(frozen=True)
+class Fitted:
+    """A training run's steps, the held-out measure before it, after it and at every checkpoint, and its seconds."""
+
+    steps: int
+    before: list[float]
+    after: list[float]
+    by_steps: dict[int, list[float]]
+    seconds: float
+
+
+def fit_measured(
+    module: Any,
+    items: list[Any],
+    loss_of: Callable[[list[Any]], Any],
+    evaluate: Callable[[], list[float]],
+    config: TrainConfig,
+    label: str,
+) -> Fitted:
+    """`fit`, with `evaluate()` before it and after it (the module then in eval mode), timed together."""
+    started = time.perf_counter()
+    before = evaluate()
+    steps, curve = fit(module.train(), items, loss_of, evaluate, config, label)
+    module.eval()
+    after = evaluate()
+    return Fitted(steps, before, after, {0: before, **curve, steps: after}, time.perf_counter() - started)
 
 
 def fit(
