@@ -58,19 +58,12 @@ class Client(httpx.Client):
         self.tokenize, self.ignore_eos = tokenize, ignore_eos
 
 
-def timed_answer(client: Client, messages: list[dict[str, str]], max_tokens: int) -> dict[str, Any]:
-    """One streamed greedy answer: its text, tokens (of its text), time to first text and decode span."""
-    body = {
-        "messages": messages,
-        "max_tokens": max_tokens,
-        "ignore_eos": client.ignore_eos,
-        "temperature": 0,
-        "stream": True,
-        "stream_options": {"include_usage": True},
-    }
+def streamed(client: httpx.Client, body: dict[str, Any]) -> dict[str, Any]:
+    """One streamed answer as the caller reads it: its text, when the request went and its first and last text came
+    (perf_counter), the last usage reported and the server's own statistics (spectune's), if any."""
     start = time.perf_counter()
     first = last = None
-    text, reported = "", 0
+    text, usage, stats = "", {}, {}
     with client.stream("POST", "/v1/chat/completions", json=body) as response:
         response.raise_for_status()
         for line in response.iter_lines():
@@ -82,11 +75,26 @@ def timed_answer(client: Client, messages: list[dict[str, str]], max_tokens: int
                 last = time.perf_counter()
                 first = first or last
                 text += piece
-            if chunk.get("usage"):
-                reported = chunk["usage"]["completion_tokens"]
+            usage, stats = chunk.get("usage") or usage, chunk.get("spectune") or stats
+    return {"text": text, "start": start, "first": first, "last": last, "usage": usage, "spectune": stats}
+
+
+def timed_answer(client: Client, messages: list[dict[str, str]], max_tokens: int) -> dict[str, Any]:
+    """One streamed greedy answer: its text, tokens (of its text), time to first text and decode span."""
+    body = {
+        "messages": messages,
+        "max_tokens": max_tokens,
+        "ignore_eos": client.ignore_eos,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    answer = streamed(client, body)
+    text, first, last, start = answer["text"], answer["first"], answer["last"], answer["start"]
     span = (last - first) if first and last else 0.0
     tokens = len(client.tokenize(text)) if text else 0
     ttft_ms = 1000 * ((first or start) - start)
+    reported = answer["usage"].get("completion_tokens", 0)
     return {"text": text, "tokens": tokens, "usage_tokens": reported, "ttft_ms": ttft_ms, "decode_seconds": span}
 
 

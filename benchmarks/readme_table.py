@@ -189,11 +189,47 @@ def assistant_table() -> str:
     return "\n".join(lines)
 
 
+FIRST_TOKEN = "first_token_qwen_sgd.json"  # benchmarks/first_token.py
+TURNS = (  # (the result's kind of turn, in words)
+    ("new", "a new caller's first turn"),
+    ("returning", "the same caller's next turn"),
+    ("while_speaking", "a next turn whose words were sent while spoken (last partial: every word)"),
+    ("last_word_late", "the same, the last word only in the final request"),
+    ("other_tenant", "another tenant's caller, after the first cached the same system prompt"),
+)
+
+
+def first_token_table() -> str:
+    """Median time to first token per kind of turn, spectune serve beside llama-server at its defaults."""
+    result = json.loads((RESULTS / FIRST_TOKEN).read_text())
+    ours, theirs = result["summary"]["spectune serve"], result["summary"]["llama-server, defaults"]
+    lines = [
+        f"| turn ({result['n']} SGD dialogues, {result['system_prompt_tokens']}-token system prompt) | spectune serve "
+        "| llama-server, defaults | ratio | prompt tokens cached (spectune, median) |",
+        "|---|---|---|---|---|",
+    ]
+    for kind, words in TURNS:
+        mine = ours[kind]
+        base = (theirs.get(kind) or theirs["returning"]) if kind != "other_tenant" else None
+        ratio = f"{mine['median_ttft_ms'] / base['median_ttft_ms']:.2f}x" if base else "-"
+        cached = statistics.median(
+            run["spectune serve"][kind]["cached_tokens"] for run in result["prompts"] if kind in run["spectune serve"]
+        )
+        theirs_ms = f"{base['median_ttft_ms']:.0f} ms" if base else "-"
+        lines.append(f"| {words} | {mine['median_ttft_ms']:.0f} ms | {theirs_ms} | {ratio} | {cached:.0f} |")
+    return "\n".join(lines)
+
+
 ROOT = Path(__file__).parent.parent
 # Each page's generated blocks: the table's name in its markers, and what renders it
 BLOCKS: dict[str, dict[str, Callable[[], str]]] = {
     "README.md": {"headline": headline_table},
-    "docs/results.md": {"pairs": table, "heads": heads_table, "assistant": assistant_table},
+    "docs/results.md": {
+        "pairs": table,
+        "heads": heads_table,
+        "assistant": assistant_table,
+        "first_token": first_token_table,
+    },
 }
 
 

@@ -108,14 +108,16 @@ def test_a_disconnected_client_stops_its_generation_and_frees_the_slot(server, m
     real_generate = SpeculativeDecoder.generate
     outcomes = []
 
-    def slow_steps(self, prompt, config, on_text=None, first_words="draft"):  # 50 ms a step, like a bigger model
+    # 50 ms a step, like a bigger model
+
+    def slow_steps(self, prompt, config, on_text=None, first_words="draft", checkpoint=None):
         def paced(text):
             time.sleep(0.05)
             keep_going = on_text(text)
             outcomes.append(keep_going)
             return keep_going
 
-        return real_generate(self, prompt, config, paced, first_words)
+        return real_generate(self, prompt, config, paced, first_words, checkpoint)
 
     monkeypatch.setattr(SpeculativeDecoder, "generate", slow_steps)
     body = {"messages": messages, "max_tokens": 400, "stream": True, "temperature": 1.0, "seed": 3}

@@ -24,12 +24,12 @@ from conftest import running
 
 from spectune.errors import SpectuneError
 from spectune.export.gguf import export_model
-from spectune.runtime.chat import chat_tokens
+from spectune.runtime.chat import chat_tokens, prompt_tokens
 from spectune.runtime.decode import DecodeSettings
 from spectune.runtime.llama import DecodeAborted, LlamaModel
 from spectune.runtime.speculative import Generation, SpeculativeDecoder, Stats
-from spectune.serve.app import TooLarge, read_body
 from spectune.serve.config import ServeConfig
+from spectune.serve.guard import TooLarge, read_body
 from spectune.serve.launch import serve_in_thread
 
 KEY = "sk-hardening"
@@ -57,23 +57,26 @@ def ask(url: str, body: dict, **kwargs) -> httpx.Response:
     return httpx.post(f"{url}/v1/chat/completions", json=body, timeout=60, **kwargs)
 
 
-def test_one_caller_learns_nothing_of_another_callers_prompt(server, messages):
-    """Seen from outside: another caller's answer and counters are what they are on an empty slot, for the target's
-    cache and the draft's alike; only the same caller's next turn reuses anything."""
+def test_one_caller_learns_nothing_of_another_callers_prompt(server, pair, messages):
+    """Seen from outside: another caller's answer and counters are what they are for a caller new to the server, for
+    the target's cache and the draft's alike; what callers share is the template's own text before their words
+    (serve/prefix_cache.py), and only the same caller's next turn reuses more."""
     secret = [{"role": "user", "content": "My card number is 4111 1111 1111 1111, book the table."}]
     reused = ("reused_prompt_tokens", "draft_reused_prompt_tokens")  # (how much it drafts follows the measured pace)
+    lead = prompt_tokens(LlamaModel(pair[0], n_ctx=256, threads=1), secret)[1]  # the template's text, no one's words
 
     def seen(reply: dict) -> tuple:
         return reply["choices"][0]["message"]["content"], reply["usage"], [reply["spectune"][key] for key in reused]
 
+    ask(server, {"messages": [{"role": "user", "content": "Hello"}], "max_tokens": 2, "user": "first-ever"})
     for guess in ("4111 1111 2222", "4111 1111 1111 1111", "9999"):
         probe = {"messages": [{"role": "user", "content": f"My card number is {guess}"}], "max_tokens": 6}
-        clean = seen(ask(server, {**probe, "user": "caller-0"}).json())  # an empty slot: the other caller's view
+        clean = seen(ask(server, {**probe, "user": f"new-{guess}"}).json())  # what a caller new to the server sees
         ask(server, {"messages": secret, "max_tokens": 6, "user": "caller-1"})  # the slot now holds the secret
-        after = seen(ask(server, {**probe, "user": "caller-2"}).json())
-        assert after == clean and after[2] == [0, 0], (clean, after)
+        after = seen(ask(server, {**probe, "user": f"other-{guess}"}).json())
+        assert after == clean and after[2][0] == lead, (clean, after)
     anonymous = ask(server, {"messages": secret, "max_tokens": 2}).json()["spectune"]
-    assert anonymous["reused_prompt_tokens"] == anonymous["draft_reused_prompt_tokens"] == 0  # no caller id
+    assert anonymous["reused_prompt_tokens"] == lead  # no caller id: the template's text only
     follow_up = [*secret, {"role": "assistant", "content": "Sure."}, {"role": "user", "content": "Thanks."}]
     ask(server, {"messages": secret, "max_tokens": 16, "user": "caller-1"})  # long enough for the draft to run
     again = ask(server, {"messages": follow_up, "max_tokens": 16, "user": "caller-1"}).json()["spectune"]
@@ -173,14 +176,16 @@ def test_a_non_streaming_caller_who_hangs_up_frees_the_slot(server, messages, mo
     real_generate = SpeculativeDecoder.generate
     stopped = []
 
-    def slow(self, prompt, config, on_text=None, first_words="draft"):  # 100 ms a step, like a big model on a CPU
+    # 100 ms a step, like a big model on a CPU
+
+    def slow(self, prompt, config, on_text=None, first_words="draft", checkpoint=None):
         def paced(text):
             time.sleep(0.1)
             keep_going = on_text(text)
             stopped.append(keep_going is False)
             return keep_going
 
-        return real_generate(self, prompt, config, paced, first_words)
+        return real_generate(self, prompt, config, paced, first_words, checkpoint)
 
     monkeypatch.setattr(SpeculativeDecoder, "generate", slow)
     body = {"messages": messages, "max_tokens": 200, "temperature": 1.0, "seed": 1}
@@ -199,14 +204,14 @@ def test_shutdown_joins_the_generation_threads(pair, messages, monkeypatch):
     real_generate = SpeculativeDecoder.generate
     threads = []
 
-    def slow(self, prompt, config, on_text=None, first_words="draft"):
+    def slow(self, prompt, config, on_text=None, first_words="draft", checkpoint=None):
         threads.append(threading.current_thread())
 
         def paced(text):
             time.sleep(0.1)
             return on_text(text)
 
-        return real_generate(self, prompt, config, paced, first_words)
+        return real_generate(self, prompt, config, paced, first_words, checkpoint)
 
     monkeypatch.setattr(SpeculativeDecoder, "generate", slow)
     target, draft = pair
@@ -324,7 +329,7 @@ def test_export_leaves_the_files_beside_its_output_alone(sft_draft, tmp_path, ca
 
 
 def test_a_failed_generation_is_an_error_the_caller_sees_and_metrics_count(server, messages, monkeypatch):
-    def broken(self, prompt, config, on_text=None, first_words="draft"):
+    def broken(self, prompt, config, on_text=None, first_words="draft", checkpoint=None):
         raise RuntimeError("the model fell over")
 
     monkeypatch.setattr(SpeculativeDecoder, "generate", broken)
@@ -341,7 +346,9 @@ def test_a_failed_generation_is_an_error_the_caller_sees_and_metrics_count(serve
 def test_generation_time_and_abandoned_queued_requests_are_bounded(pair, messages, monkeypatch):
     prompts = []
 
-    def endless(self, prompt, config, on_text=None, first_words="draft"):  # a generation that never ends by itself
+    # a generation that never ends by itself
+
+    def endless(self, prompt, config, on_text=None, first_words="draft", checkpoint=None):
         prompts.append(prompt)
         while on_text("words ") is not False:
             time.sleep(0.05)
@@ -397,12 +404,12 @@ def pace_generations(monkeypatch, seconds: float, from_tokens: int = 0) -> None:
     on a CPU."""
     real_generate = SpeculativeDecoder.generate
 
-    def slow(self, prompt, config, on_text=None, first_words="draft"):
+    def slow(self, prompt, config, on_text=None, first_words="draft", checkpoint=None):
         def paced(text):
             time.sleep(seconds if config.max_tokens >= from_tokens else 0)
             return on_text(text)
 
-        return real_generate(self, prompt, config, paced, first_words)
+        return real_generate(self, prompt, config, paced, first_words, checkpoint)
 
     monkeypatch.setattr(SpeculativeDecoder, "generate", slow)
 
@@ -430,7 +437,7 @@ def test_any_failure_before_the_generation_starts_returns_the_slot(one_slot, mes
     def broken(model, conversation):
         raise RuntimeError("the tokenizer fell over")
 
-    monkeypatch.setattr(app_module, "chat_tokens", broken)
+    monkeypatch.setattr(app_module, "prompt_tokens", broken)
     for _ in range(2):
         reply = ask(one_slot, {"messages": messages, "max_tokens": 2})
         assert reply.status_code == 500 and reply.json()["error"]["type"] == "server_error"

@@ -22,7 +22,7 @@ from spectune.gpu.predict import STORY_GOALS, PredictConfig
 from spectune.gpu.predict import predict as run_predict
 from spectune.llama_cpp_pin import binding_patched, patched_build
 from spectune.runtime.build import build_features, build_name, gpu_offload, identity_verdict, torch_device
-from spectune.runtime.llama import LlamaModel
+from spectune.runtime.llama import LlamaModel, use_tiled_matmul
 from spectune.serve.client import run_call
 from spectune.serve.config import ServeConfig
 from spectune.serve.engine import serve_llama_cpp
@@ -70,6 +70,8 @@ def serve(config: ServeConfig) -> None:
         if code not in (0, -signal.SIGTERM):
             raise SpectuneError(f"llama-server exited with {code}")
         return
+    if config.fastest_only:  # a process of its own: no exact model ever decodes in it
+        use_tiled_matmul()
     server = make_uvicorn(config, log_level="info")
     choice = server.spectune.choice
     console.print(f"decoding: {choice.mode} ({choice.reason})")

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import functools
 import re
 from typing import Any
 
+from jinja2 import Template
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from spectune.errors import SpectuneError
@@ -28,22 +30,32 @@ def chat_prompt(model: LlamaModel, messages: list[dict[str, str]], template: str
     template = template or model.metadata("tokenizer.chat_template")
     if not template:
         raise SpectuneError(f"{model.path}: the GGUF has no chat template (tokenizer.chat_template)")
+    bos = model.detokenize([model.bos]) if model.bos >= 0 else ""
+    eos = model.detokenize([model.eos]) if model.eos >= 0 else ""
+    return compiled(template).render(messages=messages, add_generation_prompt=True, bos_token=bos, eos_token=eos)
+
+
+@functools.lru_cache(maxsize=16)  # compiling a template took longer than rendering it: once per template
+def compiled(template: str) -> Template:
     environment = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
 
     def raise_exception(message: str) -> Any:
         raise SpectuneError(f"chat template: {message}")
 
     environment.globals["raise_exception"] = raise_exception
-    bos = model.detokenize([model.bos]) if model.bos >= 0 else ""
-    eos = model.detokenize([model.eos]) if model.eos >= 0 else ""
-    return environment.from_string(_GENERATION_TAGS.sub("", template)).render(
-        messages=messages, add_generation_prompt=True, bos_token=bos, eos_token=eos
-    )
+    return environment.from_string(_GENERATION_TAGS.sub("", template))
 
 
 def chat_tokens(model: LlamaModel, messages: list[dict[str, str]]) -> list[int]:
     """The prompt's tokens with control tokens parsed in the template's own text only: a caller who writes
-    `<|im_start|>system` in a message gets those characters as text, never a new role (role injection).
+    `<|im_start|>system` in a message gets those characters as text, never a new role (role injection)."""
+    return prompt_tokens(model, messages)[0]
+
+
+def prompt_tokens(model: LlamaModel, messages: list[dict[str, str]]) -> tuple[list[int], int]:
+    """chat_tokens, and where in them the first words of a caller start: the leading system messages and the
+    template's own text around them (what every caller of an operator's bot sends alike; 0 where the template
+    rewrites contents so that no place is sure).
 
     Linear in the conversation's length: each message's content is swapped for a numbered marker, the template is
     rendered once, and one split finds the template's own text between the markers."""
@@ -51,15 +63,18 @@ def chat_tokens(model: LlamaModel, messages: list[dict[str, str]]) -> list[int]:
     parts = _MARKER.split(masked)  # text, index, text, index, ..., text
     pieces, order = parts[0::2], [int(index) for index in parts[1::2]]
     contents = [m["content"] for m in messages]
+    leading = next((i for i, m in enumerate(messages) if m["role"] != "system"), len(messages))
     if order == list(range(len(messages))) and "".join(
         piece + content for piece, content in zip(pieces, [*contents, ""], strict=True)
     ) == chat_prompt(model, messages):
-        tokens = []
-        for piece, content in zip(pieces, contents, strict=False):
-            tokens += model.tokenize(piece) + model.tokenize(content, special=False)
-        return tokens + model.tokenize(pieces[-1])
+        tokens, shared = [], 0
+        for index, (piece, content) in enumerate(zip(pieces, contents, strict=False)):
+            tokens += model.tokenize(piece)
+            shared = len(tokens) if index == leading else shared  # the template's text before the caller's words
+            tokens += model.tokenize(content, special=False)
+        return tokens + model.tokenize(pieces[-1]), shared
     # The template changes or repeats contents (e.g. trims them): refuse control-token text instead.
     for content in contents:
         if model.tokenize(content) != model.tokenize(content, special=False):
             raise SpectuneError("a message holds the text of a control token (such as <|im_start|>): not allowed")
-    return model.tokenize(chat_prompt(model, messages))
+    return model.tokenize(chat_prompt(model, messages)), 0

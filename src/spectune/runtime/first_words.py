@@ -1,5 +1,5 @@
-"""How a caller's first words are decoded. The first token is always the target's own step after the prompt's
-prefill, as without a draft (the draft reads the new turn after it); the first clause is drafted only where the
+"""How a caller's first words are decoded. The first token is always the target's own, from the prompt's prefill
+(its last row), as without a draft (the draft reads the new turn after it); the first clause is drafted only where the
 decoder's own measurements say that comes sooner than the target alone (`FirstWordsRule`)."""
 
 from __future__ import annotations

@@ -6,10 +6,11 @@ decode a batch of tokens at given positions, read logits, and roll the KV cache 
 one-token one by up to 0.03 in the logits past a few hundred tokens of context; without it the difference is ~1e-6),
 so speculative greedy output equals plain greedy output at 4 bits. It costs 8–29% per token (docs/identity.md).
 
-The tiled K-quant matmul is off in every process, whatever `exact` says: ggml reads GGML_CPU_TILED_MM once, at the
-first batched matmul, and keeps it for the life of the process, so a non-exact model that ran first (seqkd's answer
-generation before the bench, in one `spectune run`) left it on for every exact model after it. It only changes
-batched (prefill) numerics, so the answers then differed from llama.cpp's own on 9 of 20 tuned-Gemma prompts.
+The tiled K-quant matmul is off in a process unless it decodes only at the fastest settings (`use_tiled_matmul`,
+`spectune serve --mode fastest`): ggml reads GGML_CPU_TILED_MM once, at the first batched matmul, and keeps it for
+the life of the process, so a non-exact model that ran first (seqkd's answer generation before the bench, in one
+`spectune run`) left it on for every exact model after it. It only changes batched (prefill) numerics, so the answers
+then differed from llama.cpp's own on 9 of 20 tuned-Gemma prompts.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from spectune.runtime.layer_inputs import shim
 from spectune.threads import ALL_LAYERS, DEFAULT_N_CTX, thread_count
 
 _backend_ready = False
+_tiled_matmul = False
 ABORT_SOURCE = Path(__file__).with_name("abort_flag.c")
 DECODE_ABORTED = 2  # llama_decode's status when the abort callback said stop
 EAGLE3_HEAD, MTP_ASSISTANT = "eagle3", "gemma4-assistant"  # GGUF architectures of drafts that run beside a target
@@ -55,12 +57,20 @@ def abort_check() -> object | None:
     return llama_cpp.ggml_abort_callback(ctypes.cast(library.spectune_abort_requested, ctypes.c_void_p).value)
 
 
+def use_tiled_matmul() -> None:
+    """For a process that decodes only at llama.cpp's fastest settings: ggml's tiled K-quant matmul on, as llama.cpp's
+    own tools have it (faster batched prefill: docs/results.md). Before the process's first decode."""
+    global _tiled_matmul
+    _tiled_matmul = True
+
+
 def init_backend() -> None:
     """Initialise libllama once, with its logging silenced (errors surface as SpectuneError instead)."""
     global _backend_ready
     import llama_cpp
 
-    os.environ["GGML_CPU_TILED_MM"] = "0"  # process-wide, read once by ggml (see the module's docstring)
+    # process-wide, read once by ggml (see the module's docstring)
+    os.environ["GGML_CPU_TILED_MM"] = "1" if _tiled_matmul else "0"
     if not _backend_ready and os.environ.get("SPECTUNE_LLAMA_LOG"):  # debugging: keep llama.cpp's own log
         llama_cpp.llama_backend_init()
         _backend_ready = True

@@ -4,8 +4,8 @@
 target decodes that token and the proposals in one batch; the sampler keeps the longest acceptable prefix and adds
 one token of the target's own (the correction, or a bonus when all k were accepted); the target's cache rolls back
 to what was kept. `SpeculativeDecoder.generate` only drives it: prefill, end tokens, stop strings, statistics, and
-the first words: the first token is the target's own step after the prefill, as without a draft (the draft reads
-the new turn after it), and the first clause is drafted only where that comes sooner (`FirstWordsRule`).
+the first words: the first token is the target's own, from the prefill's last row (one pass, as llama-server's;
+the draft reads the new turn after it), and the first clause is drafted only where that comes sooner (`FirstWordsRule`).
 
 Greedy: a proposal is kept when it is the target's argmax, so the output is exactly the target's own greedy
 output. Temperature > 0: proposal d ~ q is kept with probability min(1, p(d)/q(d)); a rejection is resampled
@@ -40,14 +40,19 @@ def speculative_step(
     sampler: Sampler,
     p_min: float = 0.0,
     no_end_rows: int = 0,
+    prefilled: np.ndarray | None = None,
 ) -> Step:
-    """Propose k, verify in one target batch, accept. `sequence`'s last token is not yet in the target's cache;
-    the target may not end the answer at its first `no_end_rows` positions (min_tokens, ignore_eos)."""
+    """Propose k, verify in one target batch, accept. `sequence`'s last token is not yet in the target's cache,
+    unless the prefill decoded it and `prefilled` holds its logits (the first step, which drafts nothing); the
+    target may not end the answer at its first `no_end_rows` positions (min_tokens, ignore_eos)."""
     start = time.perf_counter()
     proposal = speculators.propose(sequence, k, sampler, p_min) if speculators and k > 0 else Proposal()
     drafted = time.perf_counter()
     position, drafts = len(sequence) - 1, proposal.tokens
-    rows = target.decode([sequence[-1], *drafts], position, all_logits=True, copy=False)  # read before any decode
+    if prefilled is not None and not drafts:
+        rows = prefilled[None, :]
+    else:  # the logits are read before any other decode
+        rows = target.decode([sequence[-1], *drafts], position, all_logits=True, copy=False)
     if no_end_rows:
         rows[:no_end_rows, target.end_tokens] = -np.inf
     accepted, own = sampler.verify(rows, drafts, proposal.probs)
@@ -55,6 +60,11 @@ def speculative_step(
         speculators.verified(proposal, accepted)
     target.truncate(position + 1 + accepted)  # keep the last token and the accepted drafts
     return Step(proposal, accepted, [*drafts[:accepted], own], drafted - start, time.perf_counter() - drafted)
+
+
+# (length, call): call once the target's cache holds the prompt's first `length` tokens (a server saves a shared
+# prefix there); None: nothing to call
+Checkpoint = tuple[int, Callable[[], None]] | None
 
 
 @dataclass
@@ -86,27 +96,53 @@ class SpeculativeDecoder:
         self.target.truncate(0)
         self.speculators.forget()
 
-    def _prefill(self, prompt: list[int], stats: Stats, keep_going: Callable[[], bool]) -> bool:
-        """Decode all but the prompt's last token, reusing the KV of a prefix a previous turn left; batch by
-        batch, so a long prompt can be cancelled. False when it was."""
+    def extend(
+        self, tokens: list[int], keep_going: Callable[[], bool] = lambda: True, batch: int = 0
+    ) -> tuple[int, np.ndarray] | None:
+        """Bring the target's cache to exactly `tokens`, reusing the prefix it holds (all but the last token, whose
+        logits it returns), `batch` tokens at a time (0: the model's batch) so that it can be cancelled between
+        batches. (Tokens reused, the last token's logits); None when cancelled (what was decoded stays cached)."""
+        reused = min(self.target.reusable_prefix(tokens), len(tokens) - 1)
+        self.target.truncate(reused)
+        size = min(batch or self.target.n_batch, self.target.n_batch)
+        logits = np.empty(0)
+        for position in range(reused, len(tokens), size):
+            if not keep_going():
+                return None
+            try:
+                logits = self.target.decode(tokens[position : position + size], position, all_logits=False)
+            except DecodeAborted:  # the server is stopping: cut inside the batch, not after it
+                return None
+        return reused, logits[-1]
+
+    def prefill(
+        self,
+        prompt: list[int],
+        stats: Stats,
+        keep_going: Callable[[], bool] = lambda: True,
+        checkpoint: Checkpoint = None,
+        batch: int = 0,
+    ) -> np.ndarray | None:
+        """Decode the prompt, reusing the KV of a prefix a previous turn left, batch by batch (`extend`), so a
+        long prompt can be cancelled: the logits of its last token (the first token comes from them in the same
+        pass, as llama-server's does); None when cancelled. `checkpoint`: (length, call) to call once the cache
+        holds the prompt's first `length` tokens, where the prefill passes that length."""
         if not prompt:
             raise SpectuneError("empty prompt")
         if len(prompt) >= self.target.n_ctx:
             raise SpectuneError(f"prompt of {len(prompt)} tokens does not fit the context of {self.target.n_ctx}")
         start = time.perf_counter()
-        reused = self.target.reusable_prefix(prompt[:-1])
-        self.target.truncate(reused)
-        stats.prompt_tokens, stats.reused_prompt_tokens = len(prompt), reused
-        for position in range(reused, len(prompt) - 1, self.target.n_batch):
-            if not keep_going():
-                return False
-            end = min(position + self.target.n_batch, len(prompt) - 1)
-            try:
-                self.target.decode(prompt[position:end], position, all_logits=False)
-            except DecodeAborted:  # the server is stopping: cut inside the batch, not after it
-                return False
+        stats.prompt_tokens = len(prompt)
+        stats.reused_prompt_tokens = min(self.target.reusable_prefix(prompt), len(prompt) - 1)
+        length, call = checkpoint or (0, None)
+        if call is not None and stats.reused_prompt_tokens < length < len(prompt) - 1:
+            if self.extend(prompt[:length], keep_going, batch) is None:
+                return None
+            call()
+        if (decoded := self.extend(prompt, keep_going, batch)) is None:
+            return None
         stats.prefill_seconds = time.perf_counter() - start
-        return True
+        return decoded[1]
 
     def _first_clause_alone(self, prompt: list[int], config: DecodeSettings, first_words: FirstWords) -> bool:
         if not self.speculators or config.k == 0 or first_words == "draft":
@@ -114,15 +150,24 @@ class SpeculativeDecoder:
         return first_words == "alone" or not self.first_words_rule.draft_first_clause(self.speculators.behind(prompt))
 
     def _step(
-        self, sequence: list[int], produced: int, k: int, config: DecodeSettings, sampler: Sampler, draft: bool
+        self,
+        sequence: list[int],
+        produced: int,
+        k: int,
+        config: DecodeSettings,
+        sampler: Sampler,
+        draft: bool,
+        prefilled: np.ndarray | None,
     ) -> tuple[Step, int]:
-        """One step and the k it asked for; the target alone where `draft` is False."""
+        """One step and the k it asked for; the target alone where `draft` is False (and with the logits the
+        prefill left of the last token, where it did)."""
         room = self.target.n_ctx - len(sequence)  # positions left after the last token, for the proposals
         speculators = self.speculators if draft and self.speculators else None
         step_k = max(0, min(k, room - 1, config.max_tokens - produced - 1)) if speculators else 0
         no_end = config.max_tokens if config.ignore_eos else max(0, config.min_tokens - produced)
+        no_end_rows = min(no_end, step_k + 1)
         step = speculative_step(
-            self.target, speculators, sequence, step_k, sampler, config.draft_p_min, min(no_end, step_k + 1)
+            self.target, speculators, sequence, step_k, sampler, config.draft_p_min, no_end_rows, prefilled
         )
         self.first_words_rule.step(step, step.proposal.caught_up if speculators and step_k else None)
         return step, step_k
@@ -133,14 +178,16 @@ class SpeculativeDecoder:
         config: DecodeSettings,
         on_text: Callable[[str], bool] | None = None,
         first_words: FirstWords = "draft",
+        checkpoint: Checkpoint = None,
     ) -> Generation:
         """Generate after `prompt`. `on_text` gets the final text after every step (possibly empty); returning
-        False stops the generation (finish reason "cancelled"). Neither model can be freed while it runs, not even
-        at interpreter exit (logits are read in place, and the text is made from the model's vocabulary)."""
+        False stops the generation (finish reason "cancelled"); `checkpoint` is called during the prefill. Neither
+        model can be freed while it runs, not even at interpreter exit (logits are read in place, and the text is
+        made from the model's vocabulary)."""
         with contextlib.ExitStack() as busy:
             for model in [self.target, *self.speculators.models]:
                 busy.enter_context(model.busy)
-            return self._generate(prompt, config, on_text, first_words)
+            return self._generate(prompt, config, on_text, first_words, checkpoint)
 
     def _generate(
         self,
@@ -148,10 +195,12 @@ class SpeculativeDecoder:
         config: DecodeSettings,
         on_text: Callable[[str], bool] | None,
         first_words: FirstWords,
+        checkpoint: Checkpoint,
     ) -> Generation:
         begin = time.perf_counter()
         stats = self.progress = Stats()
-        if not self._prefill(prompt, stats, lambda: on_text is None or on_text("") is not False):
+        prefilled = self.prefill(prompt, stats, lambda: on_text is None or on_text("") is not False, checkpoint)
+        if prefilled is None:
             stats.finish_reason = "cancelled"
             return Generation([], "", stats)
         sampler = make_sampler(config)
@@ -165,7 +214,8 @@ class SpeculativeDecoder:
             # The first token never waits for the draft; the first clause neither, where it comes sooner alone.
             draft = bool(output) and not alone_until_clause
             try:
-                step, step_k = self._step(sequence, len(output), k, config, sampler, draft)
+                step, step_k = self._step(sequence, len(output), k, config, sampler, draft, prefilled)
+                prefilled = None
             except DecodeAborted:  # the server is stopping (abort): the answer so far, cancelled
                 stats.finish_reason = "cancelled"
                 break

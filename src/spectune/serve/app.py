@@ -14,6 +14,7 @@ import contextlib
 import json
 import time
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -24,32 +25,26 @@ from starlette.requests import ClientDisconnect
 
 from spectune.errors import SpectuneError
 from spectune.runtime.build import identity_verdict
-from spectune.runtime.chat import CLAUSE_END, chat_tokens
+from spectune.runtime.chat import CLAUSE_END, prompt_tokens
 from spectune.runtime.decode import DecodeSettings
 from spectune.runtime.mode import answer_class, choose
 from spectune.runtime.stats import Stats
 from spectune.serve.config import ServeConfig
 from spectune.serve.connections import CUT_BY_SERVER
-from spectune.serve.guard import Guard
-from spectune.serve.job import Job, cut_message, stats_json, usage
-from spectune.serve.metrics import make_metrics, mode_metrics
-from spectune.serve.refusal import error_body
+from spectune.serve.guard import Guard, TooLarge, read_body
+from spectune.serve.job import Job, Prefix, cut_message, stats_json, usage
+from spectune.serve.metrics import make_metrics, mode_metrics, prefix_metrics
+from spectune.serve.prefix_cache import Caller, PrefixStore, Scope
+from spectune.serve.refusal import error_body, key_tenant
 from spectune.serve.schema import ChatRequest, lone_surrogate, unsupported_parameter
 from spectune.serve.slots import Slot, calibration_conversations, check_slot_memory, decoder_source
 
 
-class TooLarge(Exception):
-    pass
-
-
-async def read_body(request: Request, limit: int) -> bytes:
-    """The body, read chunk by chunk so a chunked upload past `limit` is refused before it is all in memory."""
-    body = bytearray()
-    async for chunk in request.stream():
-        body += chunk
-        if len(body) > limit:
-            raise TooLarge
-    return bytes(body)
+@dataclass(frozen=True)
+class Prompt:
+    tokens: list[int]
+    shared: int  # where the caller's first words start: what its scope shares (serve/prefix_cache.py)
+    seconds: float  # rendering and tokenizing it took
 
 
 HANG_UP_CHECK_SECONDS = 0.05  # how often a stream asks whether its caller hung up (each ask costs the event loop)
@@ -73,6 +68,10 @@ class Server:
         for _ in range(config.slots - 1):
             self.slots.put_nowait(Slot(source.load(self.choice.mode)))
         mode_metrics(self.registry, self.choice)
+        self.tokenizer = first.target  # tokenizing reads only the vocabulary: any slot's target does it, slot or not
+        self.store = PrefixStore(config.prefix_cache_mib << 20)
+        prefix_metrics(self.metrics, self.store)
+        self.pending: dict[Caller, Job] = {}  # each caller's running prefill-only request: the next one cancels it
         self.jobs: set[Job] = set()
         self.queued = 0  # requests waiting for a slot (with the jobs: the requests in progress)
         self.metrics["queue"].set_function(lambda: self.queued)  # the gauge reads the count, never a copy of it
@@ -163,9 +162,14 @@ class Server:
         return chat
 
     async def take_slot(self, request: Request) -> Slot | JSONResponse:
-        """A free slot, waited for in arrival order; 503 past the queue timeout or when the server stops."""
+        """A free slot, waited for in arrival order; 503 past the queue timeout or when the server stops. A caller
+        who has to wait takes the slot time of no one's prefill-only request: those are cancelled."""
         if self.closing:
             return self.fail(503, "the server is shutting down", "server_shutting_down")
+        if self.slots.empty():
+            for job in self.jobs:
+                if job.prefill_only:
+                    job.cancel.set()
         if self.queued + len(self.jobs) >= self.config.limit_concurrency:
             message = f"{self.config.limit_concurrency} requests are in progress; retry shortly"
             return self.fail(503, message, "server_busy", headers={"Retry-After": "1"})
@@ -207,30 +211,41 @@ class Server:
         length = min(wanted.get("max_tokens", self.config.max_tokens), room - 1)
         return DecodeSettings.model_validate(self.decoding.model_dump() | wanted | {"max_tokens": length})
 
-    async def start(self, slot: Slot, chat: ChatRequest, arrived: float) -> Job | JSONResponse:
-        """Tokenize the conversation in the slot and start its generation (or say why not). Whatever fails before
-        the generation starts, the slot goes back."""
+    async def tokenized(self, chat: ChatRequest) -> Prompt | JSONResponse:
+        """The conversation's tokens and where its shared system messages end, before any slot is taken (off the
+        event loop: a long conversation must not hold up every other caller), or why not."""
+        start = time.perf_counter()
+        messages = [m.for_template() for m in chat.messages]
         try:
-            messages = [m.for_template() for m in chat.messages]
-            # Off the event loop: a long conversation must not hold up every other caller.
-            prompt = await asyncio.to_thread(chat_tokens, slot.target, messages)
-            room = slot.target.n_ctx - len(prompt)
-            if room <= 1:
-                self.release(slot)
-                message = f"the conversation is {len(prompt)} tokens; the context holds {slot.target.n_ctx}"
-                return self.fail(413, message, "context_length_exceeded", "messages")
-            slot.serve(chat.user, self.config.reuse_prefix)
-            job = Job(slot, prompt, self.sampling(chat, room), asyncio.get_running_loop(), self.config, arrived)
+            tokens, shared = await asyncio.to_thread(prompt_tokens, self.tokenizer, messages)
         except SpectuneError as exc:
-            self.release(slot)
             return self.fail(400, str(exc), "invalid_request_error", "messages")
-        except BaseException:  # anything else, cancellation included: the Guard answers 500 and counts it
+        if self.tokenizer.n_ctx - len(tokens) <= 1:
+            message = f"the conversation is {len(tokens)} tokens; the context holds {self.tokenizer.n_ctx}"
+            return self.fail(413, message, "context_length_exceeded", "messages")
+        return Prompt(tokens, shared, time.perf_counter() - start)
+
+    def start(self, slot: Slot, chat: ChatRequest, prompt: Prompt, caller: Caller, arrived: float) -> Job:
+        """Start the generation (or the prefill of a max_tokens 0 request) in the slot; the slot goes back when it
+        ends, or at once where it cannot start."""
+        try:
+            room = slot.target.n_ctx - len(prompt.tokens)
+            sampling = None if chat.prefill_only else self.sampling(chat, room)
+            prefix = Prefix(caller, prompt.shared, self.store, self.config.reuse_prefix)
+            job = Job(slot, prompt.tokens, sampling, asyncio.get_running_loop(), self.config, arrived, prefix)
+        except BaseException:  # anything, cancellation included: the Guard answers 500 and counts it
             self.release(slot)
             raise
+        job.stages["tokenize_seconds"] = prompt.seconds
+        job.stages["queue_seconds"] = time.perf_counter() - arrived - prompt.seconds  # parsing it included
         self.jobs.add(job)
+        if chat.prefill_only:
+            self.pending[caller] = job
 
         def ended(_: Any) -> None:  # the slot is free exactly when its generation has ended
             self.jobs.discard(job)
+            if self.pending.get(caller) is job:
+                del self.pending[caller]
             self.release(slot)
 
         job.done.add_done_callback(ended)
@@ -239,18 +254,30 @@ class Server:
             job.cancel.set()
         return job
 
+    def caller(self, request: Request, chat: ChatRequest) -> Caller:
+        """Who sends this request, as far as sharing cached prompts goes (serve/prefix_cache.py)."""
+        keys = self.config.api_key
+        tenant = key_tenant(request.headers.get("authorization"), keys) if keys else None
+        return Caller(Scope(tenant or "", chat.cache_salt or ""), chat.user)
+
     async def completions(self, request: Request) -> Any:
         arrived = time.perf_counter()
         chat = await self.parse(request)
         if isinstance(chat, JSONResponse):
             return chat
+        caller = self.caller(request, chat)
+        if (running := self.pending.get(caller)) is not None:  # a newer turn of this caller's words
+            running.cancel.set()
+        prompt = await self.tokenized(chat)
+        if isinstance(prompt, JSONResponse):
+            return prompt
+        if chat.prefill_only and self.slots.empty():  # never waits: it would take a caller's slot time
+            return self.nothing_prefilled(prompt)
         slot = await self.take_slot(request)
         if isinstance(slot, JSONResponse):
             return slot
         self.metrics["queue_wait"].observe(time.perf_counter() - arrived)
-        job = await self.start(slot, chat, arrived)
-        if isinstance(job, JSONResponse):
-            return job
+        job = self.start(slot, chat, prompt, caller, arrived)
         if chat.stream:
             return StreamingResponse(self.stream(job, chat, request), media_type="text/event-stream")
         hung_up = False
@@ -281,7 +308,7 @@ class Server:
                 }
             ],
             "usage": usage(generation.stats),
-            "spectune": stats_json(generation.stats),
+            "spectune": stats_json(generation.stats, job.stages),
         }
 
     async def stream(self, job: Job, chat: ChatRequest, request: Request) -> AsyncIterator[bytes]:
@@ -322,7 +349,7 @@ class Server:
             if pending:
                 yield sse(self.chunk(job, {"content": pending}, None, counted if continuous else None))
             final = self.chunk(job, {}, job.finish_reason(), whole if continuous else None)
-            final["spectune"] = stats_json(generation.stats)
+            final["spectune"] = stats_json(generation.stats, job.stages)
             yield sse(final)
             if job.cut_by_shutdown:  # the stream says the answer was cut, and /metrics counts it so
                 finished = True
@@ -340,8 +367,17 @@ class Server:
             if not finished:
                 self.metrics["requests"].labels(status="499").inc()
 
+    def nothing_prefilled(self, prompt: Prompt) -> dict[str, Any]:
+        """A prefill-only request that found no free slot: 200, nothing done (the final request prefills)."""
+        self.metrics["requests"].labels(status="200").inc()
+        counts = usage(Stats(prompt_tokens=len(prompt.tokens)))
+        return {"object": "chat.completion", "model": self.config.model_name, "choices": [], "usage": counts}
+
     def record(self, job: Job, stats: Stats) -> None:
         self.metrics["requests"].labels(status="200").inc()
+        self.metrics["cached_tokens"].inc(stats.reused_prompt_tokens)
+        for stage, seconds in stats_json(stats, job.stages)["stages"].items():
+            self.metrics["stages"].labels(stage=stage.removesuffix("_seconds")).observe(seconds)
         if stats.generated:
             self.metrics["ttft"].observe(job.started + stats.ttft_seconds - job.arrived)
         self.metrics["tps"].observe(stats.tokens_per_second)

@@ -1,17 +1,24 @@
-"""`spectune call`: a terminal conversation with a spectune server, as a voice bot would hold it."""
+"""`spectune call`: a terminal conversation with a spectune server, as a voice bot would hold it: the caller's words
+are sent as they are typed (prefilled while the caller goes on), and each answer streams by sentence."""
 
 from __future__ import annotations
 
+import contextlib
 import json
-import shutil
-import subprocess
+import statistics
+import sys
+import termios
+import threading
 import time
+import tty
 import uuid
+from collections.abc import Callable
 
 import httpx
 import typer
 
 from spectune.errors import SpectuneError
+from spectune.serve.voice import Voice
 
 
 def run_call(server: str, api_key: str | None, speak: bool, system: str | None, timeout: float = 30.0) -> None:
@@ -27,16 +34,43 @@ def run_call(server: str, api_key: str | None, speak: bool, system: str | None, 
 
 def _converse(server: str, api_key: str | None, speak: bool, system: str | None, timeout: float) -> None:
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    voice = shutil.which("espeak-ng") if speak else None
+    voice = Voice.find() if speak else None
     if speak and voice is None:
         typer.echo("espeak-ng is not installed: answers are shown, not spoken")
+    elif voice is not None and voice.player is None:
+        typer.echo("no audio player (aplay, paplay): answers are synthesized and timed, not heard")
+    first_audio: list[float] = []  # per turn, seconds from the end of the caller's turn
+    try:
+        _calls(server, headers, voice, system, timeout, first_audio)
+    finally:
+        if first_audio:
+            typer.echo(
+                f"time to first audio: median {1000 * statistics.median(first_audio):.0f} ms over "
+                f"{len(first_audio)} turns"
+            )
+
+
+def _calls(
+    server: str,
+    headers: dict[str, str],
+    voice: Voice | None,
+    system: str | None,
+    timeout: float,
+    first_audio: list[float],
+) -> None:
     messages = [{"role": "system", "content": system}] if system else []
     call_id = f"call-{uuid.uuid4().hex[:12]}"  # the server reuses this call's cached prefix turn after turn
     with httpx.Client(base_url=server, headers=headers, timeout=timeout) as client:
         while True:
+
+            def heard(partial: str) -> None:  # the words so far, prefilled while the caller goes on (serving.md)
+                body = {"messages": [*messages, {"role": "user", "content": partial}], "max_tokens": 0}
+                with contextlib.suppress(httpx.HTTPError):
+                    client.post("/v1/chat/completions", json={**body, "user": call_id})
+
             try:
-                text = typer.prompt("you", prompt_suffix="> ")
-            except (typer.Abort, EOFError):
+                text = read_turn(heard)
+            except (typer.Abort, EOFError, KeyboardInterrupt):
                 return
             messages.append({"role": "user", "content": text})
             body = {"messages": messages, "stream": True, "chunking": "sentence", "user": call_id}
@@ -46,15 +80,51 @@ def _converse(server: str, api_key: str | None, speak: bool, system: str | None,
                 messages.pop()
                 continue
             answer, line = turn
+            if voice is not None and (audio := voice.finish()) is not None:
+                first_audio.append(audio)
+                line += f"; first audio {1000 * audio:.0f} ms after your turn"
             # Kept even when empty (the server takes an empty assistant turn): the roles still alternate.
             messages.append({"role": "assistant", "content": answer})
             typer.echo(f"\n  [{line}]")
 
 
-def _turn(client: httpx.Client, body: dict, voice: str | None) -> tuple[str, str] | None:
-    """One streamed answer, spoken sentence by sentence; (its text, what the caller waited for), or None when the
+PARTIAL_GAP_SECONDS = 0.3  # partial transcripts at most this often, as a streaming recognizer sends them
+
+
+def read_turn(heard: Callable[[str], None]) -> str:
+    """The caller's next line. At a terminal, the words so far go to `heard` (on a thread, at most every 0.3 s) at
+    each space, as a recognizer's partial transcripts would; from a pipe, the line as a whole."""
+    if not sys.stdin.isatty():
+        line = sys.stdin.readline()
+        if not line:
+            raise EOFError
+        return line.rstrip("\n")
+    typer.echo("you> ", nl=False)
+    typed, sent = "", 0.0
+    descriptor = sys.stdin.fileno()
+    saved = termios.tcgetattr(descriptor)
+    tty.setcbreak(descriptor)
+    try:
+        while (key := sys.stdin.read(1)) not in ("\n", "\r"):
+            if not key or key == "\x04":  # Ctrl-D
+                raise EOFError
+            typed = typed[:-1] if key in ("\x7f", "\b") else typed + key
+            typer.echo("\b \b" if key in ("\x7f", "\b") else key, nl=False)
+            if key == " " and typed.strip() and time.monotonic() - sent >= PARTIAL_GAP_SECONDS:
+                sent = time.monotonic()
+                threading.Thread(target=heard, args=(typed.strip(),), daemon=True).start()
+    finally:
+        termios.tcsetattr(descriptor, termios.TCSADRAIN, saved)
+    typer.echo("")
+    return typed
+
+
+def _turn(client: httpx.Client, body: dict, voice: Voice | None) -> tuple[str, str] | None:
+    """One streamed answer, spoken clause by clause; (its text, what the caller waited for), or None when the
     server refused the turn."""
     start = time.perf_counter()
+    if voice is not None:
+        voice.turn(start)
     first, answer, stats, usage = None, "", {}, {}
     with client.stream("POST", "/v1/chat/completions", json=body) as response:
         if response.status_code != 200:
@@ -75,8 +145,8 @@ def _turn(client: httpx.Client, body: dict, voice: str | None) -> tuple[str, str
                 first = first or time.perf_counter() - start
                 answer += delta
                 typer.echo(delta, nl=False)
-                if voice:
-                    subprocess.run([voice, delta], check=False)
+                if voice is not None:
+                    voice.say(delta)
     said = f"first words after {1000 * (first or 0):.0f} ms"
     if stats:  # the engine's side: its first token, its speed, and what it reused of the conversation
         cached = usage.get("prompt_tokens_details", {}).get("cached_tokens", 0)

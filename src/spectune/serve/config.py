@@ -22,6 +22,7 @@ SPECTUNE_ONLY = {
     "max_request_bytes",
     "max_seconds",
     "reuse_prefix",
+    "prefix_cache_mib",  # llama-server's own is --cache-ram
     "limit_concurrency",
     "max_connections",
     "header_timeout",
@@ -57,11 +58,23 @@ class ServeConfig(DecodeSettings, ModeSettings, LlamaSettings, SpeculatorSetting
         1, ge=1, le=256, description="Concurrent generations (each its own contexts; refused past the memory left)."
     )
     queue_timeout: float = Field(30.0, gt=0, description="Seconds a request may wait for a slot, then 503.")
-    api_key: str | None = Field(None, min_length=1, description="Require this bearer token (also $SPECTUNE_API_KEY).")
+    api_key: str | None = Field(
+        None,
+        min_length=1,
+        description="Require this bearer token (also $SPECTUNE_API_KEY); several comma-separated, each key its own "
+        "tenant (no cached prompt is shared between tenants).",
+    )
     max_request_bytes: int = Field(1 << 20, ge=1024, description="Largest request body (413 past it).")
     max_seconds: float = Field(120.0, gt=0, description="Longest a generation may run (then finish_reason length).")
     model_name: str = Field("spectune", description="The model id the API reports.")
-    reuse_prefix: bool = Field(True, description="Keep a slot's KV cache for the next turn of a conversation.")
+    reuse_prefix: bool = Field(
+        True,
+        description="Reuse cached prompt prefixes: a caller's conversation (its `user`) for its next turn, and the "
+        "leading system messages for every caller of the same tenant and cache_salt.",
+    )
+    prefix_cache_mib: int = Field(
+        1024, ge=0, description="Host memory for saved prompt prefixes (system prompts, conversations), LRU."
+    )
     first_words: FirstWords = Field(
         "auto",
         description="The first clause: drafted from the second token on (draft), by the target alone while the draft "
@@ -85,6 +98,13 @@ class ServeConfig(DecodeSettings, ModeSettings, LlamaSettings, SpeculatorSetting
     ngram_data: Path | None = Field(
         None, description="Chat dataset whose assistant turns fill the n-gram domain table (the target's answers)."
     )
+
+    @property
+    def fastest_only(self) -> bool:
+        """Whether this server decodes only at the fastest settings, with nothing to measure first (runtime/mode.py:
+        --mode fastest, or the target alone)."""
+        alone = self.draft is None and not self.lookups(self.ngram is not None)
+        return self.mode == "fastest" or (alone and self.mode == "auto")
 
     @model_validator(mode="after")
     def _fill_from_run(self) -> ServeConfig:

@@ -1,5 +1,6 @@
-"""What every request passes before a route runs: its API key and its declared size; and what a failure or a forced
-quit leaves a caller with (a JSON error that /metrics counts, never uvicorn's plain-text 500 and a traceback)."""
+"""What every request passes before a route runs: its API key and its size (declared, and read chunk by chunk by
+the route); and what a failure or a forced quit leaves a caller with (a JSON error that /metrics counts, never
+uvicorn's plain-text 500 and a traceback)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,8 @@ import asyncio
 import contextlib
 import logging
 from typing import TYPE_CHECKING, Any
+
+from starlette.requests import Request
 
 from spectune.serve.refusal import authorized
 
@@ -84,3 +87,17 @@ class Guard:
         except asyncio.CancelledError:
             if not self.server.closing:
                 raise
+
+
+class TooLarge(Exception):
+    pass
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The body, read chunk by chunk so a chunked upload past `limit` is refused before it is all in memory."""
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > limit:
+            raise TooLarge
+    return bytes(body)

@@ -8,13 +8,17 @@ import contextlib
 import threading
 import time
 import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from spectune.runtime.decode import DecodeSettings
 from spectune.runtime.first_words import FirstWords
-from spectune.runtime.speculative import Generation
+from spectune.runtime.kv_state import save_decoder
+from spectune.runtime.speculative import Checkpoint, Generation
 from spectune.runtime.stats import Stats
 from spectune.serve.config import ServeConfig
+from spectune.serve.prefix_cache import Caller, PrefixStore, conversation_key, shared_key
 from spectune.serve.slots import Slot
 
 
@@ -32,7 +36,7 @@ def usage(stats: Stats) -> dict[str, Any]:
     }
 
 
-def stats_json(stats: Stats) -> dict[str, Any]:
+def stats_json(stats: Stats, stages: dict[str, float]) -> dict[str, Any]:
     keys = (
         "drafted",
         "accepted",
@@ -47,7 +51,9 @@ def stats_json(stats: Stats) -> dict[str, Any]:
         "by_source",  # per speculator that proposed: steps, drafted, accepted
     )
     values = stats.as_dict()
-    return {key: values[key] for key in keys}
+    first_step = max(0.0, stats.ttft_seconds - stats.prefill_seconds) if stats.generated else 0.0
+    timings = {**stages, "prefill_seconds": stats.prefill_seconds, "first_step_seconds": first_step}
+    return {key: values[key] for key in keys} | {"stages": timings}
 
 
 # Text reaches the event loop at most this long after it is final: each hand-over (a wake of the loop, a chunk, a
@@ -56,20 +62,38 @@ def stats_json(stats: Stats) -> dict[str, Any]:
 HAND_OVER_SECONDS = 0.002
 
 
+PREFILL_ONLY_BATCH = 32  # a prefill-only request yields its slot to a waiting caller within this many tokens
+
+
+@dataclass
+class Prefix:
+    """What a job's prefill may reuse and what it leaves for later (serve/prefix_cache.py)."""
+
+    caller: Caller
+    shared: int  # where the caller's first words start in the prompt (what the caller's scope shares)
+    store: PrefixStore
+    reuse: bool  # the server's reuse_prefix
+
+
 class Job:
-    """One generation on a worker thread; its text comes back through an asyncio queue."""
+    """One generation on a worker thread (or, for a request of max_tokens 0, only the prefill of its prompt); its
+    text comes back through an asyncio queue."""
 
     def __init__(
         self,
         slot: Slot,
         prompt: list[int],
-        sampling: DecodeSettings,
+        sampling: DecodeSettings | None,
         loop: asyncio.AbstractEventLoop,
         config: ServeConfig,
         arrived: float,
+        prefix: Prefix,
     ) -> None:
         self.id = f"chatcmpl-{uuid.uuid4().hex[:24]}"
         self.slot, self.prompt, self.sampling, self.loop = slot, prompt, sampling, loop
+        self.prefix = prefix
+        self.prefill_only = sampling is None  # extend the caller's cached prefix, answer nothing
+        self.stages: dict[str, float] = {}  # seconds per stage before the first token (the server adds its own)
         self.first_words: FirstWords = config.first_words
         self.deadline = time.monotonic() + config.max_seconds
         self.arrived = arrived  # when the request came (perf_counter): the caller's time to first token runs from it
@@ -120,13 +144,50 @@ class Job:
 
         self.started = time.perf_counter()
         try:
-            result = self.slot.decoder.generate(self.prompt, self.sampling, on_text, self.first_words)
+            self._prepare()
+            result = self._prefill_only() if self.sampling is None else self._generate(on_text)
+            self._keep(result)
         except Exception as exc:  # surfaces in the request that waits for it
             self._call(self._finish, None, exc)
         else:
             if unsent[0]:
                 hand_over()
             self._call(self._finish, result, None)
+
+    def _prepare(self) -> None:
+        start = time.perf_counter()
+        prefix = self.prefix
+        self.slot.prepare(prefix.caller, self.prompt, prefix.shared, prefix.store, prefix.reuse)
+        self.stages["restore_seconds"] = time.perf_counter() - start
+
+    def _checkpoint(self) -> Checkpoint:
+        """Save the scope's shared prefix where the prefill passes it, unless it is stored already."""
+        prefix, decoder = self.prefix, self.slot.decoder
+        key = shared_key(prefix.caller.scope, self.prompt[: prefix.shared])
+        if not prefix.reuse or not prefix.shared or prefix.store.get(key) is not None:
+            return None
+        return prefix.shared, lambda: prefix.store.put(key, save_decoder(decoder))
+
+    def _generate(self, on_text: Callable[[str], bool]) -> Generation:
+        assert self.sampling is not None
+        decoder = self.slot.decoder
+        return decoder.generate(self.prompt, self.sampling, on_text, self.first_words, self._checkpoint())
+
+    def _prefill_only(self) -> Generation:
+        stats = Stats()
+        decoded = self.slot.decoder.prefill(
+            self.prompt, stats, lambda: not self.cancel.is_set(), self._checkpoint(), PREFILL_ONLY_BATCH
+        )
+        stats.finish_reason = "length" if decoded is not None else "cancelled"
+        return Generation([], "", stats)
+
+    def _keep(self, result: Generation) -> None:
+        """The caller's conversation as the caches hold it now, for its next turn in whichever slot serves it."""
+        prefix = self.prefix
+        if prefix.reuse and prefix.caller.user is not None and not self.aborted:
+            start = time.perf_counter()
+            prefix.store.put(conversation_key(prefix.caller), save_decoder(self.slot.decoder))
+            self.stages["save_seconds"] = time.perf_counter() - start
 
     def _finish(self, result: Any, error: BaseException | None) -> None:
         if error is not None:

@@ -7,6 +7,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from spectune.runtime.mode import ModeChoice
+from spectune.serve.prefix_cache import PrefixStore
 
 
 def make_metrics(registry: CollectorRegistry) -> dict[str, Any]:
@@ -42,7 +43,28 @@ def make_metrics(registry: CollectorRegistry) -> dict[str, Any]:
             registry=registry,
         ),
         "slots_in_use": Gauge("spectune_slots_in_use", "Slots running a generation", registry=registry),
+        "cached_tokens": Counter(
+            "spectune_prompt_tokens_cached", "Prompt tokens served from a cached prefix", registry=registry
+        ),
+        "stages": Histogram(
+            "spectune_stage_seconds",
+            "Time before the first token, per stage: tokenize, queue, restore (a saved prefix into the slot), prefill, "
+            "first_step; and save (the conversation kept after the answer)",
+            ["stage"],
+            registry=registry,
+            buckets=latency,
+        ),
+        "prefix_bytes": Gauge("spectune_prefix_cache_bytes", "Host memory the saved prefixes hold", registry=registry),
+        "prefix_entries": Gauge(
+            "spectune_prefix_cache_entries", "Saved prefixes: system prompts and conversations", registry=registry
+        ),
     }
+
+
+def prefix_metrics(metrics: dict[str, Any], store: PrefixStore) -> None:
+    """The gauges read the store when scraped, never a copy."""
+    metrics["prefix_bytes"].set_function(lambda: store.bytes)
+    metrics["prefix_entries"].set_function(lambda: len(store.entries))
 
 
 def mode_metrics(registry: CollectorRegistry, choice: ModeChoice) -> None:

@@ -3,6 +3,7 @@ no route can answer any more): one JSON error body, and the API key check that d
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 from typing import Any
 
@@ -11,7 +12,18 @@ def error_body(status: int, message: str, kind: str, param: str | None = None) -
     return status, {"error": {"message": message, "type": kind, "param": param, "code": status}}
 
 
-def authorized(header: str | None, key: str) -> bool:
-    """`Authorization: Bearer KEY`, the scheme in any case, the key compared in constant time."""
+def authorized(header: str | None, keys: str) -> bool:
+    return key_tenant(header, keys) is not None
+
+
+def key_tenant(header: str | None, keys: str) -> str | None:
+    """The tenant that `Authorization: Bearer KEY` names: a digest of the key, one of `keys` (comma-separated, as
+    llama-server's --api-key), each compared in constant time; None where none matches."""
     scheme, _, given = (header or "").partition(" ")
-    return scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(), key.encode())
+    if scheme.lower() != "bearer":
+        return None
+    matched = None
+    for key in filter(None, (part.strip() for part in keys.split(","))):
+        if hmac.compare_digest(given.strip().encode(), key.encode()):
+            matched = key
+    return None if matched is None else hashlib.sha256(matched.encode()).hexdigest()[:16]

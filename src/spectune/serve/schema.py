@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 # OpenAI takes at most 4 stop sequences; the length cap keeps the stop check cheap whatever a caller sends.
 MAX_STOPS = 4
@@ -117,7 +117,8 @@ class ChatRequest(BaseModel):
     model_config = ConfigDict(extra="ignore")
     messages: list[Message] = Field(min_length=1, max_length=MAX_MESSAGES)
     model: str | None = None
-    max_tokens: int | None = Field(None, ge=1)
+    # 0: prefill only (extend this caller's cached prompt while it still speaks, answer nothing: docs/serving.md)
+    max_tokens: int | None = Field(None, ge=0)
     max_completion_tokens: int | None = Field(None, ge=1)
     # Unset: the server's own setting (`spectune serve --temperature ...`, greedy by default).
     temperature: float | None = Field(None, ge=0.0, le=2.0)
@@ -128,7 +129,8 @@ class ChatRequest(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     chunking: Literal["token", "sentence"] = "token"
-    user: str | None = None  # the caller: a slot reuses a cached prompt only for the same caller
+    user: str | None = Field(None, max_length=256)  # the caller: its conversation's cache is its own
+    cache_salt: str | None = Field(None, min_length=1, max_length=256)  # vLLM's: shares cached prompts only alike
     # vLLM's extensions that benchmark clients (GuideLLM, AIPerf) send to pin the answer's length.
     min_tokens: int | None = Field(None, ge=0)
     ignore_eos: bool | None = None
@@ -160,6 +162,16 @@ class ChatRequest(BaseModel):
             if message.role != "assistant" and not str(message.content).strip():
                 raise ValueError(f"message {index} ({message.role}) has empty content")
         return messages
+
+    @model_validator(mode="after")
+    def _prefill_for_a_caller(self) -> ChatRequest:
+        if self.prefill_only and self.user is None:
+            raise ValueError("max_tokens 0 prefills a caller's prompt for its next request: give its `user` too")
+        return self
+
+    @property
+    def prefill_only(self) -> bool:
+        return self.max_tokens == 0 and not self.max_completion_tokens
 
     def decode_settings(self) -> dict[str, Any]:
         """The decoding settings this request names (what it leaves unset is the server's)."""

@@ -7,25 +7,32 @@ from pathlib import Path
 
 from spectune.data.read import assistant_turns, read_dialogues
 from spectune.errors import SpectuneError
+from spectune.runtime.kv_state import load_decoder
 from spectune.runtime.llama import LlamaModel
 from spectune.runtime.mode import CALIBRATION_PROMPTS, DecoderSource
 from spectune.runtime.ngram import NGRAM, NgramSettings, NgramSetup, NgramTable, domain_of_texts
 from spectune.runtime.speculative import SpeculativeDecoder
 from spectune.serve.config import ServeConfig
+from spectune.serve.prefix_cache import Caller, PrefixStore, Reuse, best_reuse
 
 
 class Slot:
     def __init__(self, decoder: SpeculativeDecoder) -> None:
         self.decoder = decoder  # its own contexts, and its own n-gram conversation table
         self.target = decoder.target
-        self.owner: str | None = None  # the caller whose conversation the KV cache holds
+        self.owner: Caller | None = None  # the caller whose conversation the caches hold
 
-    def serve(self, caller: str | None, reuse_prefix: bool) -> None:
-        """Keep the cached prompt only for the same caller: another caller must learn nothing of it, not even
+    def prepare(self, caller: Caller, prompt: list[int], shared: int, store: PrefixStore, reuse: bool) -> int:
+        """Set the caches to the longest prefix of `prompt` this caller may reuse (prefix_cache.py says which);
+        the tokens reused. Whatever else they held is dropped: the next caller learns nothing of it, not even
         through how many tokens were reused or how fast the first token came."""
-        if caller is None or caller != self.owner or not reuse_prefix:
+        choice = best_reuse(store, caller, self.owner, self.target.cached, prompt, shared) if reuse else Reuse(0)
+        if choice.state is not None:
+            load_decoder(self.decoder, choice.state)
+        elif choice.length == 0:
             self.decoder.forget()
         self.owner = caller
+        return choice.length
 
 
 SLOT_OVERHEAD_BYTES = 64 << 20  # a slot's compute buffers and logits, beside its caches and weights
