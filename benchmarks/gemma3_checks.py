@@ -17,9 +17,10 @@ from pipeline_run import write_result
 
 from spectune.data.read import read_dialogues
 from spectune.export.pair import fidelity
-from spectune.models.imported import fetch, gguf_string
+from spectune.models.imported import fetch
 from spectune.models.load import load_tokenizer
 from spectune.models.tokenizer_check import template_mismatches, tokenizer_mismatches
+from spectune.runtime.build import gguf_field
 
 SYSTEM = "You are a phone assistant that helps callers book, find and pay for things. Answer briefly."
 
@@ -28,7 +29,7 @@ def check(tokenizer, gguf: Path, turns: list[str], rendered: list[str], conversa
     """Tokenizer identity, and template identity where the GGUF carries a template (base checkpoints do not)."""
     start = time.perf_counter()
     token_mismatches = tokenizer_mismatches(tokenizer, gguf, turns + rendered)
-    has_template = gguf_string(gguf, "tokenizer.chat_template") is not None
+    has_template = gguf_field(gguf, "tokenizer.chat_template") is not None
     prompt_mismatches = template_mismatches(tokenizer, gguf, conversations) if has_template else []
     prompts = sum(m["role"] == "assistant" for messages in conversations for m in messages) if has_template else 0
     return {

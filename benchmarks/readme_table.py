@@ -204,7 +204,8 @@ def first_token_table() -> str:
     result = json.loads((RESULTS / FIRST_TOKEN).read_text())
     ours, theirs = result["summary"]["spectune serve"], result["summary"]["llama-server, defaults"]
     lines = [
-        f"| turn ({result['n']} SGD dialogues, {result['system_prompt_tokens']}-token system prompt) | spectune serve "
+        f"| turn ({result['n']} SGD dialogues x {result['passes']} passes, "
+        f"{result['system_prompt_tokens']}-token system prompt) | spectune serve "
         "| llama-server, defaults | ratio | prompt tokens cached (spectune, median) |",
         "|---|---|---|---|---|",
     ]

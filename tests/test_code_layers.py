@@ -16,26 +16,34 @@ SHARED |= {"llama_cpp_pin", "llama_cpp_patch"}
 
 
 def unit(module: str) -> str:
-    """A module's unit: its subpackage (`spectune.export.gguf` -> export) or its top-level module name."""
-    return module.split(".")[1]
+    """A module's unit: its subpackage (`spectune.export.gguf` -> export) or its top-level module name (the
+    package's own __init__: spectune)."""
+    return module.split(".")[1] if "." in module else module
 
 
-def imports() -> nx.DiGraph:
+def imports(node_of=unit) -> nx.DiGraph:
+    """Who imports whom, as `node_of` names them (a subpackage, or each module), type-checking imports included."""
     graph = nx.DiGraph()
     for path in PACKAGE.rglob("*.py"):
-        source = unit("spectune." + ".".join(path.relative_to(PACKAGE).with_suffix("").parts))
+        module = "spectune." + ".".join(path.relative_to(PACKAGE).with_suffix("").parts)
+        source = node_of(module.removesuffix(".__init__"))
         for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
             names = [node.module or ""] if isinstance(node, ast.ImportFrom) else []
             names += [alias.name for alias in node.names] if isinstance(node, ast.Import) else []
             for name in names:
-                if name.startswith("spectune.") and unit(name) != source:
-                    graph.add_edge(source, unit(name))
+                if name.startswith("spectune.") and node_of(name) != source:
+                    graph.add_edge(source, node_of(name))
     return graph
 
 
 def test_no_package_imports_one_that_imports_it_back():
     cycles = list(nx.simple_cycles(imports()))
     assert cycles == [], f"import cycles between parts of spectune: {cycles}"
+
+
+def test_no_module_imports_one_that_imports_it_back():
+    cycles = list(nx.simple_cycles(imports(lambda module: module)))
+    assert cycles == [], f"import cycles between modules of spectune: {cycles}"
 
 
 def test_runtime_and_data_import_nothing_above_them():

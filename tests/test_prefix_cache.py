@@ -4,9 +4,11 @@ conversation for its next turn, a partial turn prefilled while the caller still 
 from __future__ import annotations
 
 import os
+import pty
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import httpx
@@ -178,3 +180,30 @@ def test_a_spoken_call_reports_each_turns_time_to_first_audio(tenants, tmp_path)
     assert done.returncode == 0, done.stderr
     assert done.stdout.count("ms after your turn") == 2, done.stdout
     assert re.search(r"time to first audio: median \d+ ms over 2 turns", done.stdout), done.stdout
+
+
+def test_a_call_at_a_terminal_sends_the_words_as_they_are_typed(tenants):
+    """`spectune call` at a terminal (a pseudo-terminal here): each word typed is sent as a partial transcript
+    (max_tokens 0), so the turn's final request finds nearly all of its prompt cached."""
+    key = KEYS.split(",")[0]
+    spectune = Path(sys.executable).parent / "spectune"
+    leader, follower = pty.openpty()
+    command = [str(spectune), "call", "--server", tenants, "--api-key", key]
+    call = subprocess.Popen(command, stdin=follower, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    os.close(follower)
+    try:
+        assert call.stdout is not None and call.stdout.read(5) == "you> "  # the call is up, reading its terminal
+        for word in "Could I book a table for four people at eight tonight please".split():
+            os.write(leader, f"{word} ".encode())
+            time.sleep(0.4)  # a partial transcript at most every 0.3 s
+        os.write(leader, b"\r")
+        time.sleep(0.2)
+        os.write(leader, b"\x04")  # Ctrl-D: the call ends
+        out, err = call.communicate(timeout=300)
+    finally:
+        os.close(leader)
+        if call.poll() is None:
+            call.kill()
+    assert call.returncode == 0, err
+    cached, total = map(int, re.search(r"(\d+)/(\d+) prompt tokens cached", out).groups())
+    assert total - cached <= 8, out  # the words were prefilled while typed: only the template's close is new

@@ -23,6 +23,7 @@ from spectune.cache import cache_root
 from spectune.data.demo import generate_dialogues
 from spectune.errors import SpectuneError
 from spectune.models.tokenizer_check import check_template, check_tokenizer
+from spectune.runtime.build import gguf_field, read_gguf
 
 console = Console()
 APPROXIMATION = (
@@ -76,22 +77,13 @@ REAL_MODELS = {
 }
 
 
-def gguf_string(gguf: Path, key: str) -> str | None:
-    """A string field of a GGUF's metadata, None when absent."""
-    from gguf import GGUFReader
-
-    field = GGUFReader(gguf).fields.get(key)
-    return bytes(field.parts[field.data[0]]).decode() if field is not None else None
-
-
 def write_sentencepiece_model(gguf: Path, out: Path) -> bool:
     """llama.cpp's converter reads a Gemma vocabulary only from sentencepiece's tokenizer.model, which a GGUF does
     not carry: rebuild it from the GGUF's tokens, scores and types (all the converter reads), for an SPM vocabulary
     ("llama" in GGUF terms). False for other vocabularies, which the converter takes from tokenizer.json."""
-    from gguf import GGUFReader
     from sentencepiece import sentencepiece_model_pb2 as spm
 
-    fields = GGUFReader(gguf).fields
+    fields = read_gguf(gguf).fields
     if fields["tokenizer.ggml.model"].contents() != "llama":
         return False
     tokens, scores, kinds = (fields[f"tokenizer.ggml.{key}"].contents() for key in ("tokens", "scores", "token_type"))
@@ -116,11 +108,11 @@ def write_sentencepiece_model(gguf: Path, out: Path) -> bool:
 def set_chat_template(tokenizer: Any, gguf: Path) -> str:
     """Give the tokenizer the GGUF's chat template (transformers drops it for SPM vocabularies, found on Gemma 3),
     or Gemma's turn format for a Gemma GGUF that has none (base checkpoints); returns where it came from."""
-    template = gguf_string(gguf, "tokenizer.chat_template")
+    template = gguf_field(gguf, "tokenizer.chat_template")
     if template is not None:
         tokenizer.chat_template = template
         return "the GGUF's"
-    if (gguf_string(gguf, "general.architecture") or "").startswith("gemma"):
+    if (gguf_field(gguf, "general.architecture") or "").startswith("gemma"):
         tokenizer.chat_template = (TEMPLATES / "gemma.jinja").read_text()
         tokenizer.eos_token = "<end_of_turn>"  # an answer ends with its turn: training, HF generate and export agree
         return "Gemma's turn format (the GGUF has none)"
@@ -135,7 +127,7 @@ def restore_pre_tokenizer(tokenizer: Any, gguf: Path) -> None:
     HF tokenizes whitespace before digits differently (found on 72 of 2,000 stress strings)."""
     from tokenizers import pre_tokenizers
 
-    if gguf_string(gguf, "tokenizer.ggml.pre") in DIGIT_SPLITTING_PRE_TOKENIZERS:
+    if gguf_field(gguf, "tokenizer.ggml.pre") in DIGIT_SPLITTING_PRE_TOKENIZERS:
         backend = tokenizer.backend_tokenizer
         backend.pre_tokenizer = pre_tokenizers.Sequence(
             [pre_tokenizers.Digits(individual_digits=True), backend.pre_tokenizer]
@@ -188,12 +180,12 @@ def import_gguf(gguf: Path, out: Path) -> Path:
 
 def _gguf_type(gguf: Path) -> str:
     """The GGUF's file type from its metadata (e.g. Q4_K_M), else 'quantized'."""
-    from gguf import GGUFReader, LlamaFileType
+    from gguf import LlamaFileType
 
-    field = GGUFReader(gguf).fields.get("general.file_type")
-    if field is None:
+    file_type = gguf_field(gguf, "general.file_type")
+    if file_type is None:
         return "quantized"
-    return LlamaFileType(int(field.contents())).name.removeprefix("MOSTLY_")
+    return LlamaFileType(int(file_type)).name.removeprefix("MOSTLY_")
 
 
 def _install(name: str, into: Path) -> None:

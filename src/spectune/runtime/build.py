@@ -79,6 +79,12 @@ def read_gguf(path: str | Path) -> Any:
         raise SpectuneError(f"{path}: not a readable GGUF file ({type(exc).__name__}: {exc})") from exc
 
 
+def gguf_field(path: str | Path, key: str) -> Any:
+    """A metadata field's value (a string, a number, a list), None when the GGUF has no such field."""
+    field = read_gguf(path).fields.get(key)
+    return None if field is None else field.contents()
+
+
 def matrix_types(gguf: str | Path) -> Counter[str]:
     """How many weight matrices (2-D tensors) the GGUF stores in each type."""
     tensors = read_gguf(gguf).tensors

@@ -27,7 +27,7 @@ import numpy as np
 
 from spectune.cache import compiled_library
 from spectune.errors import SpectuneError
-from spectune.runtime.build import build_features, read_gguf
+from spectune.runtime.build import build_features, gguf_field
 from spectune.runtime.layer_inputs import shim
 from spectune.threads import ALL_LAYERS, DEFAULT_N_CTX, thread_count
 
@@ -392,8 +392,7 @@ def read_vocab(path: str | Path) -> VocabInfo:
 
 
 def gguf_architecture(path: str | Path) -> str | None:
-    field = read_gguf(path).fields.get("general.architecture")
-    return None if field is None else bytes(field.parts[field.data[0]]).decode()
+    return gguf_field(path, "general.architecture")
 
 
 def is_eagle3_gguf(path: str | Path) -> bool:

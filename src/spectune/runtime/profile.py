@@ -17,9 +17,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from gguf import GGUFReader
-
 from spectune.errors import SpectuneError
+from spectune.runtime.build import read_gguf
 from spectune.runtime.llama import LlamaModel
 from spectune.runtime.registry import model_speculator
 from spectune.runtime.sampling import GreedySampler
@@ -32,7 +31,7 @@ FILLER = "The quick brown fox jumps over the lazy dog while the river runs to th
 def gguf_weights(path: str | Path) -> Weights:
     """A GGUF's weights in the bytes they are stored in (a tied model has no `output.weight`; an EAGLE-3 head has no
     embedding table of its own)."""
-    reader = GGUFReader(path)
+    reader = read_gguf(path)
     tensors = {tensor.name: tensor for tensor in reader.tensors}
     architecture = reader.fields["general.architecture"].contents()
     if f"{architecture}.block_count" not in reader.fields:

@@ -103,7 +103,7 @@ def read_turn(heard: Callable[[str], None]) -> str:
     typed, sent = "", 0.0
     descriptor = sys.stdin.fileno()
     saved = termios.tcgetattr(descriptor)
-    tty.setcbreak(descriptor)
+    tty.setcbreak(descriptor, termios.TCSANOW)  # keeps what was typed ahead (TCSAFLUSH would drop it)
     try:
         while (key := sys.stdin.read(1)) not in ("\n", "\r"):
             if not key or key == "\x04":  # Ctrl-D
@@ -116,7 +116,7 @@ def read_turn(heard: Callable[[str], None]) -> str:
     finally:
         termios.tcsetattr(descriptor, termios.TCSADRAIN, saved)
     typer.echo("")
-    return typed
+    return typed.strip()  # what the partials sent: a trailing space would change the last tokens
 
 
 def _turn(client: httpx.Client, body: dict, voice: Voice | None) -> tuple[str, str] | None:

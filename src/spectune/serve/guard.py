@@ -7,14 +7,25 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from starlette.requests import Request
 
+from spectune.serve.config import ServeConfig
 from spectune.serve.refusal import authorized
 
-if TYPE_CHECKING:  # the server holds the guard's settings and its counters; it imports this module
-    from spectune.serve.app import Server
+
+class Guarded(Protocol):
+    """What the guard reads of the server it guards (serve/app.py's Server): its settings, whether it is stopping,
+    and the error response that /metrics counts."""
+
+    config: ServeConfig
+    closing: bool
+
+    def fail(
+        self, status: int, message: str, kind: str, param: str | None = None, headers: dict | None = None
+    ) -> Any: ...
+
 
 log = logging.getLogger("spectune.serve")
 
@@ -23,7 +34,7 @@ class Guard:
     """Authentication and the declared body size, checked before a route runs. A plain ASGI middleware: it hands the
     connection on untouched, so a handler still sees a caller hang up (Starlette's BaseHTTPMiddleware hides it)."""
 
-    def __init__(self, app: Any, server: Server) -> None:
+    def __init__(self, app: Any, server: Guarded) -> None:
         self.app, self.server = app, server
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:

@@ -164,7 +164,7 @@ class Job:
         """Save the scope's shared prefix where the prefill passes it, unless it is stored already."""
         prefix, decoder = self.prefix, self.slot.decoder
         key = shared_key(prefix.caller.scope, self.prompt[: prefix.shared])
-        if not prefix.reuse or not prefix.shared or prefix.store.get(key) is not None:
+        if not prefix.reuse or not prefix.shared or not prefix.store.max_bytes or prefix.store.get(key) is not None:
             return None
         return prefix.shared, lambda: prefix.store.put(key, save_decoder(decoder))
 
@@ -184,7 +184,7 @@ class Job:
     def _keep(self, result: Generation) -> None:
         """The caller's conversation as the caches hold it now, for its next turn in whichever slot serves it."""
         prefix = self.prefix
-        if prefix.reuse and prefix.caller.user is not None and not self.aborted:
+        if prefix.reuse and prefix.store.max_bytes and prefix.caller.user is not None and not self.aborted:
             start = time.perf_counter()
             prefix.store.put(conversation_key(prefix.caller), save_decoder(self.slot.decoder))
             self.stages["save_seconds"] = time.perf_counter() - start
