@@ -205,17 +205,16 @@ class SpeculativeDecoder:
             return Generation([], "", stats)
         sampler = make_sampler(config)
         stream = TextStream(self.target, config.stop, config.min_tokens)
-        sequence = list(prompt)  # every token so far; the last one is not yet in the target's cache
+        sequence, k = list(prompt), config.k  # every token so far, and the draft length
         output: list[int] = []
-        k = config.k
         alone_until_clause = self._first_clause_alone(prompt, config, first_words)
         unsent = ""  # final text not yet handed to on_text
         while len(output) < config.max_tokens and len(sequence) < self.target.n_ctx:
             # The first token never waits for the draft; the first clause neither, where it comes sooner alone.
             draft = bool(output) and not alone_until_clause
             try:
-                step, step_k = self._step(sequence, len(output), k, config, sampler, draft, prefilled)
-                prefilled = None
+                first = prefilled if not output else None  # the first step's logits came with the prefill
+                step, step_k = self._step(sequence, len(output), k, config, sampler, draft, first)
             except DecodeAborted:  # the server is stopping (abort): the answer so far, cancelled
                 stats.finish_reason = "cancelled"
                 break
