@@ -261,6 +261,20 @@ def data_items(
     return train, held_out, [train_features, held_out_features]
 
 
+def draft_index(d2t: Any, vocab_size: int) -> Any:
+    """Each target token's place in the draft vocabulary, -1 where it has none."""
+    import torch
+
+    to_draft = torch.full((vocab_size,), -1, dtype=torch.long)
+    to_draft[d2t] = torch.arange(len(d2t))
+    return to_draft
+
+
+def covered(indices: Any) -> float:
+    """The share of labels (as draft-vocabulary indices, -1: none) the draft vocabulary holds; 0 where none."""
+    return round(float((indices >= 0).float().mean()), 4) if len(indices) else 0.0
+
+
 def train_eagle3(config: Eagle3Config) -> Eagle3Result:
     """Train an EAGLE-3 head for the target on `data`; write OUT/model (HF layout) and OUT/eagle3.json."""
     import torch
@@ -278,8 +292,7 @@ def train_eagle3(config: Eagle3Config) -> Eagle3Result:
     train_items, eval_items, feature_runs = data_items(target.eval(), cache, data, layers)
     labels = [argmax[shifted(mask[None], 1)[0].bool()] for _, _, argmax, mask in train_items]
     d2t = draft_vocabulary(labels, target_config["vocab_size"], config.draft_vocab_size)
-    to_draft = torch.full((target_config["vocab_size"],), -1, dtype=torch.long)
-    to_draft[d2t] = torch.arange(len(d2t))
+    to_draft = draft_index(d2t, target_config["vocab_size"])
     shape = head_config(target_config, config.intermediate_size, layers, len(d2t))
     head = head_module(shape, target.get_input_embeddings().weight.detach(), d2t)
     initialise(head, target)
@@ -301,8 +314,8 @@ def train_eagle3(config: Eagle3Config) -> Eagle3Result:
         model=config.out / "model",
         aux_layers=layers,
         draft_vocab_size=len(d2t),
-        coverage=round(float((to_draft[all_labels] >= 0).float().mean()), 4) if len(all_labels) else 0.0,
-        held_out_coverage=round(float((held_out_labels >= 0).float().mean()), 4) if len(held_out_labels) else 0.0,
+        coverage=covered(to_draft[all_labels]),
+        held_out_coverage=covered(held_out_labels),
         parameters=sum(p.numel() for p in head.parameters()),
         steps=fitted.steps,
         train_dialogues=len(train_items),
