@@ -5,7 +5,10 @@ a few hundred tokens (the same for every caller, as a bot's persona and policies
 Per SGD dialogue with two caller turns, engines taking turns (the first one turns with the prompt):
 - **new caller**: the system prompt and the caller's first turn (llama-server reuses whatever its slot or its host
   prompt cache shares; spectune the tenant's shared system prompt);
-- **returning caller**: the same caller's second turn, its first answer (each engine's own) in the history;
+- **returning caller**: the same caller's second turn, its first answer (each engine's own) in the history, sent
+  half a second after that answer (the caller hears it first);
+- before each timed request, spectune serve's slots are free (its work after an answer done): no engine is timed
+  while the other works;
 - **while speaking** (spectune only): another caller's same two turns, the second one's words sent as they come
   (max_tokens 0, a partial transcript each 300 ms or more, at most 8, the last one all the words, as a recognizer's
   is when it ends the turn), then the final request: time from that request; compared with llama-server's
@@ -47,6 +50,8 @@ from spectune.serve.config import ServeConfig
 from spectune.serve.engine import READY_SECONDS, start_llama_server
 
 KEYS = ("sk-bench-tenant-one", "sk-bench-tenant-two")
+# Between an answer and the caller's next turn: the caller hears the answer (spoken, it lasts seconds) and speaks.
+LISTEN_SECONDS = 0.5
 SPECTUNE, LLAMA = "spectune serve", "llama-server, defaults"
 PARTIAL_GAP_SECONDS = 0.3
 SYSTEM_PROMPT = (
@@ -89,8 +94,26 @@ def ask(client: httpx.Client, messages: list[dict[str, str]], max_tokens: int, *
         "decode_seconds": (last - first) if first and last else 0.0,
         "prompt_tokens": answer["usage"].get("prompt_tokens"),
         "cached_tokens": (answer["usage"].get("prompt_tokens_details") or {}).get("cached_tokens"),
-        "stages": answer["spectune"].get("stages", {}),
+        "stages": stages(answer["reported"]),
     }
+
+
+def quiet(server: httpx.Client) -> None:
+    """Wait until spectune serve's slots are free, its work after an answer (the next turn's opening, keeping the
+    conversation) done: no engine is timed while the other works."""
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        health = server.get("/health").json()
+        if health["slots_free"] == health["slots"]:
+            return
+        time.sleep(0.005)
+
+
+def stages(reported: dict[str, Any]) -> dict[str, float]:
+    """The server's seconds per stage before the first token: spectune's stages, llama-server's prompt time."""
+    if "prompt_ms" in reported:
+        return {"prefill_seconds": reported["prompt_ms"] / 1000}
+    return reported.get("stages", {})
 
 
 def prefill(client: httpx.Client, messages: list[dict[str, str]], user: str) -> float:
@@ -106,6 +129,7 @@ def while_speaking(
     """A caller's first turn, then its second one's words sent as they come (a partial transcript each 300 ms or
     more, at most 8, the last lacking `unsaid` words), then the final request, timed."""
     answer = ask(ours, opening, args.max_tokens, user=user)
+    time.sleep(LISTEN_SECONDS)
     history = [*opening, {"role": "assistant", "content": answer["text"]}]
     words = turn["content"].split()
     heard = len(words) - unsaid
@@ -152,12 +176,17 @@ def one_prompt(clients: dict[str, httpx.Client], index: int, turns: tuple[str, s
     tag = f"{index}-{time.monotonic_ns()}"  # a caller new to both servers
     runs: dict[str, dict[str, Any]] = {}
     for engine in [SPECTUNE, LLAMA][index % 2 :] + [SPECTUNE, LLAMA][: index % 2]:
+        quiet(clients[SPECTUNE])
         new = ask(clients[engine], [system, first], args.max_tokens, user=f"a-{tag}")
+        time.sleep(LISTEN_SECONDS)
+        quiet(clients[SPECTUNE])
         history = [system, first, {"role": "assistant", "content": new["text"]}, second]
         runs[engine] = {"new": new, "returning": ask(clients[engine], history, args.max_tokens, user=f"a-{tag}")}
     for kind, unsaid in (("while_speaking", 0), ("last_word_late", 1)):
+        quiet(clients[SPECTUNE])
         runs[SPECTUNE][kind] = while_speaking(clients[SPECTUNE], [system, first], second, unsaid, f"{kind}-{tag}", args)
     if index % 5 == 0:
+        quiet(clients[SPECTUNE])
         salt = {"cache_salt": f"probe-{tag}", "user": f"c-{tag}"}
         runs[SPECTUNE]["other_tenant"] = ask(clients["other tenant"], [system, first], args.max_tokens, **salt)
     line = "  ".join(f"{e} {kind} {run['ttft_ms']:.0f}" for e, kinds in runs.items() for kind, run in kinds.items())
@@ -188,9 +217,18 @@ def summary(runs: list[dict]) -> dict[str, Any]:
         return None if answer["decode_seconds"] <= 0 else (len(answer["text"]) / answer["decode_seconds"])
 
     out: dict[str, Any] = {}
+
+    def prefill_ms(engine: str, kind: str) -> float | None:
+        times = [1000 * run[engine][kind]["stages"].get("prefill_seconds", 0.0) for run in runs if kind in run[engine]]
+        return statistics.median(times) if all(times) else None
+
     for engine in (SPECTUNE, LLAMA):
         out[engine] = {
-            kind: {"median_ttft_ms": statistics.median(ttfts(engine, kind)), "n": len(ttfts(engine, kind))}
+            kind: {
+                "median_ttft_ms": statistics.median(ttfts(engine, kind)),
+                "median_prefill_ms": prefill_ms(engine, kind),  # as the server reports it
+                "n": len(ttfts(engine, kind)),
+            }
             for kind in runs[0][engine]
         }
     base_new, base_back = ttfts(LLAMA, "new"), ttfts(LLAMA, "returning")

@@ -60,7 +60,8 @@ class Client(httpx.Client):
 
 def streamed(client: httpx.Client, body: dict[str, Any]) -> dict[str, Any]:
     """One streamed answer as the caller reads it: its text, when the request went and its first and last text came
-    (perf_counter), the last usage reported and the server's own statistics (spectune's), if any."""
+    (perf_counter), the last usage reported and the server's own statistics (spectune's `spectune`, llama-server's
+    `timings`), if any."""
     start = time.perf_counter()
     first = last = None
     text, usage, stats = "", {}, {}
@@ -75,8 +76,8 @@ def streamed(client: httpx.Client, body: dict[str, Any]) -> dict[str, Any]:
                 last = time.perf_counter()
                 first = first or last
                 text += piece
-            usage, stats = chunk.get("usage") or usage, chunk.get("spectune") or stats
-    return {"text": text, "start": start, "first": first, "last": last, "usage": usage, "spectune": stats}
+            usage, stats = chunk.get("usage") or usage, chunk.get("spectune") or chunk.get("timings") or stats
+    return {"text": text, "start": start, "first": first, "last": last, "usage": usage, "reported": stats}
 
 
 def timed_answer(client: Client, messages: list[dict[str, str]], max_tokens: int) -> dict[str, Any]:

@@ -39,9 +39,9 @@ HEADER = (
 # The headline: the reference story's shape on a real family, every variant the bench ran
 HEADLINE = "speculative_qwen_sgd.json"
 HEADLINE_HEADER = (
-    "| draft | k | acceptance | tokens per target pass | identical: ours / llama.cpp's tool | here: over our target "
-    f"alone / over llama.cpp's at its defaults | predicted on a GPU: bytes only / {CARD} (band) |\n"
-    "|---|---|---|---|---|---|---|"
+    "| draft | k | acceptance | tokens per target pass | identical: ours / llama.cpp's tool "
+    f"| predicted on a GPU: bytes only / {CARD} (band) |\n"
+    "|---|---|---|---|---|---|"
 )
 DRAFT_WORDS = {
     "generic": "the 0.5B off the shelf",
@@ -143,8 +143,6 @@ def headline_table() -> str:
         lines.append(
             f"| {DRAFT_WORDS.get(name, name)} | {f.draft_max} | {f.acceptance:.1%} | {f.mean_accepted_len:.2f} "
             f"| {f.identical}/{f.n} / {f.llama_cpp_identical}/{f.n} "
-            f"| {speedup_or_not_run(f.aggregate_speedup, result)} / "
-            f"{speedup_or_not_run(f.aggregate_speedup_over_llama_cpp_defaults, result)} "
             f"| {grounded['bytes_only_committed']:.2f}x / {on_card(grounded)} |"
         )
     return "\n".join(lines)
@@ -191,40 +189,60 @@ def assistant_table() -> str:
 
 FIRST_TOKEN = "first_token_qwen_sgd.json"  # benchmarks/first_token.py
 TURNS = (  # (the result's kind of turn, in words)
-    ("new", "a new caller's first turn"),
+    ("new", "a new caller"),
     ("returning", "the same caller's next turn"),
-    ("while_speaking", "a next turn whose words were sent while spoken (last partial: every word)"),
-    ("last_word_late", "the same, the last word only in the final request"),
-    ("other_tenant", "another tenant's caller, after the first cached the same system prompt"),
+    ("while_speaking", "next turn, words sent as spoken"),
+    ("last_word_late", "the same, last word late"),
+    ("other_tenant", "another tenant, same system prompt"),
 )
 
 
-def first_token_table() -> str:
-    """Median time to first token per kind of turn, spectune serve beside llama-server at its defaults."""
+def first_token_table(brief: bool = False) -> str:
+    """Median time to first token per kind of turn, spectune serve beside llama-server at its defaults, with each
+    pass's ratio, the prefill time each server reports and the tokens cached (brief: the README's, without them)."""
     result = json.loads((RESULTS / FIRST_TOKEN).read_text())
     ours, theirs = result["summary"]["spectune serve"], result["summary"]["llama-server, defaults"]
-    lines = [
-        f"| turn ({result['n']} SGD dialogues x {result['passes']} passes, "
-        f"{result['system_prompt_tokens']}-token system prompt) | spectune serve "
-        "| llama-server, defaults | ratio | prompt tokens cached (spectune, median) |",
-        "|---|---|---|---|---|",
-    ]
+    size = f"{result['n']} SGD dialogues x {result['passes']} passes, {result['system_prompt_tokens']}-token prompt"
+    turn = f"turn ({size})"
+    rows = [[turn, "spectune serve", "llama-server", "ratio", "each pass", "prefill, each server's report", "cached"]]
     for kind, words in TURNS:
         mine = ours[kind]
         base = (theirs.get(kind) or theirs["returning"]) if kind != "other_tenant" else None
-        ratio = f"{mine['median_ttft_ms'] / base['median_ttft_ms']:.2f}x" if base else "-"
         cached = statistics.median(
             run["spectune serve"][kind]["cached_tokens"] for run in result["prompts"] if kind in run["spectune serve"]
         )
-        theirs_ms = f"{base['median_ttft_ms']:.0f} ms" if base else "-"
-        lines.append(f"| {words} | {mine['median_ttft_ms']:.0f} ms | {theirs_ms} | {ratio} | {cached:.0f} |")
+        row = [words, f"{mine['median_ttft_ms']:.0f} ms", "-", "-", "-", f"{mine['median_prefill_ms']:.0f} ms"]
+        if base:
+            key = "ratio_to_llama_server" if kind in theirs else "ratio_to_llama_server_returning"
+            passes = ", ".join(f"{each['spectune serve'][kind][key]:.2f}" for each in result["summary_per_pass"])
+            row[2:] = [f"{base['median_ttft_ms']:.0f} ms", f"{mine[key]:.2f}x", passes, f"{row[5]} / "
+                       f"{base['median_prefill_ms']:.0f} ms"]  # fmt: skip
+        rows.append([*row, f"{cached:.0f}"])
+    shown = rows if not brief else [row[:4] for row in rows]
+    lines = ["| " + " | ".join(row) + " |" for row in shown]
+    lines.insert(1, "|" + "---|" * len(shown[0]))
+    return "\n".join(lines)
+
+
+COMMANDS = "commands.json"  # the two commands' times, as measured on this machine (each entry says how)
+
+
+def commands_table() -> str:
+    """How long the two commands took here, and what each one's time counts."""
+    lines = ["| command | time here | measured |", "|---|---|---|"]
+    for command, record in json.loads((RESULTS / COMMANDS).read_text()).items():
+        lines.append(f"| `{command}` | {record['seconds'] / 60:.0f} min | {record['how']} |")
     return "\n".join(lines)
 
 
 ROOT = Path(__file__).parent.parent
 # Each page's generated blocks: the table's name in its markers, and what renders it
 BLOCKS: dict[str, dict[str, Callable[[], str]]] = {
-    "README.md": {"headline": headline_table},
+    "README.md": {
+        "commands": commands_table,
+        "headline": headline_table,
+        "first_token": lambda: first_token_table(brief=True),
+    },
     "docs/results.md": {
         "pairs": table,
         "heads": heads_table,

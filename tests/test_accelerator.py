@@ -148,3 +148,18 @@ def test_llama_cpp_loads_a_model_with_the_layers_asked_and_says_where_they_run(p
     models = [LlamaModel(pair[0], n_ctx=64, threads=1, gpu_layers=layers) for layers in (-1, 0, 3)]
     assert asked == [-1, 0, 3]
     assert [model.device for model in models] == ["CPU"] * 3  # this build runs every layer on the CPU
+
+
+def test_doctor_measures_identity_on_the_gguf_and_refuses_where_logits_differ(pair, capsys, monkeypatch):
+    """A GPU build's kernels have no rule: doctor measures there (and on the CPU with --measure) and exits 1 where a
+    verification batch's logits differ from one-token decoding."""
+    import spectune.cli.decode as decode
+    from spectune.runtime.identity_check import IdentityCheck
+
+    assert run_cli("doctor", "--measure", str(pair[0])) == 0
+    said = " ".join(capsys.readouterr().out.split())
+    assert "identical answers: measured (3 batches of 5 tokens against one token at a time, on CPU" in said
+    assert "every logit equal" in said
+    monkeypatch.setattr(decode, "check_identity", lambda gguf, exact: IdentityCheck(False, 0.5, 3, "CUDA0"))
+    assert run_cli("doctor", "--measure", str(pair[0])) == 1
+    assert "logits differ by up to 0.5" in " ".join(capsys.readouterr().out.split())

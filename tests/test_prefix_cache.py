@@ -139,6 +139,24 @@ def test_callers_of_one_tenant_share_its_system_prompt_and_no_one_else(tenants):
     assert cached(salted) == 0
 
 
+def test_a_callers_next_turn_prefills_only_its_new_words(tenants, pair):
+    """While the caller listens, the server decodes the template's text that opens the caller's next turn: that
+    turn's prompt is cached up to the caller's new words."""
+    one = KEYS.split(",")[0]
+    turn = [SYSTEM, {"role": "user", "content": "Is there a table for two at nine?"}]
+    answer = ask(tenants, one, {"messages": turn, "max_tokens": 8, "user": "dora"})["choices"][0]["message"]
+    deadline = time.time() + 30  # the slot is free once the opening is decoded and the conversation kept
+    while httpx.get(f"{tenants}/health").json()["slots_free"] != 1 and time.time() < deadline:
+        time.sleep(0.01)
+    words = "Then make it ten, please."
+    following = [*turn, answer, {"role": "user", "content": words}]
+    reply = ask(tenants, one, {"messages": following, "max_tokens": 8, "user": "dora"})
+    model = LlamaModel(pair[0], n_ctx=512, threads=1)
+    tokens, _ = prompt_tokens(model, following)
+    assert reply["usage"]["prompt_tokens"] == len(tokens)
+    assert model.detokenize(tokens[cached(reply) :]).lstrip().startswith(words)
+
+
 def test_words_sent_while_the_caller_speaks_are_prefilled_before_the_turn_ends(tenants):
     one = KEYS.split(",")[0]
     words = "I would like to book a table for two people tomorrow at seven in the evening please"

@@ -24,7 +24,7 @@ from conftest import running
 
 from spectune.errors import SpectuneError
 from spectune.export.gguf import export_model
-from spectune.runtime.chat import chat_tokens, prompt_tokens
+from spectune.runtime.chat import chat_tokens, prompt_tokens, turn_opening
 from spectune.runtime.decode import DecodeSettings
 from spectune.runtime.llama import DecodeAborted, LlamaModel
 from spectune.runtime.speculative import Generation, SpeculativeDecoder, Stats
@@ -85,7 +85,8 @@ def test_one_caller_learns_nothing_of_another_callers_prompt(server, pair, messa
 
 def test_both_caches_hold_only_the_caller_being_served(pair):
     """Read from the models themselves, not the server's counters: after another caller's turn, what the target's
-    and the draft's KV caches hold is that caller's prompt and answer, token for token, and nothing before it."""
+    and the draft's KV caches hold is that caller's prompt and answer, token for token (and the opening of its next
+    turn), and nothing before it."""
     target, draft = pair
     config = ServeConfig(
         target=target, draft=draft, mode="speculative", n_ctx=512, threads=1, draft_max=4, first_words="draft"
@@ -96,13 +97,19 @@ def test_both_caches_hold_only_the_caller_being_served(pair):
         probe = [{"role": "user", "content": "Hello, a table for two please."}]
         ask(url, {"messages": secret, "max_tokens": 16, "user": "caller-1"})
         answer = ask(url, {"messages": probe, "max_tokens": 16, "user": "caller-2"}).json()
+        deadline = time.monotonic() + 30  # the slot is free once the work after the answer is done
+        while not instance.spectune.slots.qsize() and time.monotonic() < deadline:
+            time.sleep(0.01)
         (slot,) = list(instance.spectune.slots._queue)  # the one slot, free again
-        prompt = chat_tokens(slot.target, probe)
+        prompt, opening = chat_tokens(slot.target, probe), turn_opening(slot.target, probe)
         for model in (slot.decoder.target, *slot.decoder.speculators.models):
             held = model.cached
             assert len(held) >= len(prompt) - 1 and held[: len(prompt) - 1] == prompt[:-1], model.path
-            said = [token for token in held[len(prompt) :] if not model.is_end(token)]  # the answer, its end read too
+            after = held[len(prompt) :]
+            after = after[: -len(opening)] if opening and after[-len(opening) :] == opening else after
+            said = [token for token in after if not model.is_end(token)]  # the answer, its end read too
             assert answer["choices"][0]["message"]["content"].startswith(model.detokenize(said)), model.path
+        assert opening and slot.decoder.target.cached[-len(opening) :] == opening
     finally:
         instance.stop()
         thread.join(timeout=30)
@@ -680,6 +687,22 @@ def test_a_benchmark_client_gets_the_answer_lengths_it_pins(pair, micro_pair, tm
     requests = json.loads((tmp_path / "guidellm.json").read_text())["benchmarks"][0]["requests"]
     assert len(requests["successful"]) == 4 and not requests["errored"] and not requests["incomplete"]
     assert [request["output_tokens"] for request in requests["successful"]] == [12] * 4
+
+
+def test_an_interrupt_cuts_decoding_until_lifted_and_never_lifts_an_abort(pair):
+    """How work nobody waits for (a prefill-only request, a next turn's opening) yields its slot at once."""
+    model = LlamaModel(pair[0], n_ctx=512, threads=1)
+    tokens = model.tokenize("please book a table for two " * 20)
+    model.interrupt(True)  # cut within a graph node as abort is (the test below), and every decode after
+    for _ in range(2):
+        with pytest.raises(DecodeAborted):
+            model.decode(tokens, 0, all_logits=False)
+    model.interrupt(False)
+    assert model.decode(tokens[:8], 0, all_logits=False).shape == (1, model.n_vocab)
+    model.abort()
+    model.interrupt(False)  # a stopping server's abort stays
+    with pytest.raises(DecodeAborted):
+        model.decode(tokens[:1], len(model.cached))
 
 
 def test_abort_cuts_a_decode_in_progress_and_every_later_one(pair, messages):

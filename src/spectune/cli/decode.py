@@ -22,6 +22,7 @@ from spectune.gpu.predict import STORY_GOALS, PredictConfig
 from spectune.gpu.predict import predict as run_predict
 from spectune.llama_cpp_pin import binding_patched, patched_build
 from spectune.runtime.build import build_features, build_name, gpu_offload, identity_verdict, torch_device
+from spectune.runtime.identity_check import BATCH, IdentityCheck, check_identity
 from spectune.runtime.llama import LlamaModel, use_tiled_matmul
 from spectune.serve.client import run_call
 from spectune.serve.config import ServeConfig
@@ -149,6 +150,9 @@ class DoctorConfig(Settings):
         [], **positional("Target GGUF files to check (the draft only proposes: its types do not matter).")
     )
     exact: bool = Field(True, description="Check for the exact setting (the bench and server default).")
+    measure: bool = Field(
+        False, description="Also measure identity on the CPU (a GPU build always measures: its kernels have no rule)."
+    )
 
 
 @config_command(app, DoctorConfig)
@@ -171,19 +175,30 @@ def doctor(config: DoctorConfig) -> None:
             raise SpectuneError(f"{gguf}: no such GGUF file")
         verdict = identity_verdict(gguf, config.exact)
         types = ", ".join(f"{count} {name}" for name, count in verdict["matrix_types"].items())
-        model = LlamaModel(gguf, n_ctx=64, threads=1)
-        console.print(f"{gguf}: weight matrices {types}; runs on {model.device}")
-        if gpu_offload():  # the rule below is the CPU kernels': a GPU's are checked by measuring, not assumed
-            console.print(
-                "  [yellow]on the GPU: identical answers not established here[/]: `spectune bench` counts them"
-            )
-        if verdict["guaranteed"]:
-            console.print("  [green]identical answers: guaranteed[/] (batched logits equal one-token logits)")
-        for reason in verdict["reasons"]:
-            console.print(f"  [red]identical answers not guaranteed[/]: {reason}")
-        refused += not verdict["guaranteed"]
+        on_gpu = gpu_offload()
+        console.print(f"{gguf}: weight matrices {types}; runs on {LlamaModel(gguf, n_ctx=64, threads=1).device}")
+        if not on_gpu:  # the rule is the CPU kernels': a GPU's are measured, not assumed
+            if verdict["guaranteed"]:
+                console.print("  [green]identical answers: guaranteed[/] (batched logits equal one-token logits)")
+            for reason in verdict["reasons"]:
+                console.print(f"  [red]identical answers not guaranteed[/]: {reason}")
+        measured = report_measured(check_identity(gguf, config.exact)) if on_gpu or config.measure else True
+        refused += not (measured and (on_gpu or verdict["guaranteed"]))
     if refused:
         raise typer.Exit(1)
+
+
+def report_measured(check: IdentityCheck) -> bool:
+    """Say what the measured check found; whether answers are identical there."""
+    tried = f"{check.batches} batches of {BATCH} tokens against one token at a time, on {check.device}"
+    if check.equal:
+        console.print(f"  [green]identical answers: measured[/] ({tried}: every logit equal)")
+    else:
+        console.print(
+            f"  [red]identical answers not guaranteed[/]: measured ({tried}): logits differ by up to "
+            f"{check.max_difference:.3g}; speculative answers may differ from the target alone's"
+        )
+    return check.equal
 
 
 class CallConfig(Settings):

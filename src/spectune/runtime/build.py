@@ -108,7 +108,7 @@ def identity_verdict(gguf: str | Path, exact: bool) -> dict[str, Any]:
     if gpu_backends:
         reasons.append(
             f"{', '.join(gpu_backends)} compiled in: its batched and one-token matmul kernels differ; identity is "
-            "measured (benchmarks/gpu), not guaranteed"
+            "measured (spectune doctor), not guaranteed"
         )
     return {
         "gguf": str(gguf),

@@ -59,9 +59,7 @@ def prompt_tokens(model: LlamaModel, messages: list[dict[str, str]]) -> tuple[li
 
     Linear in the conversation's length: each message's content is swapped for a numbered marker, the template is
     rendered once, and one split finds the template's own text between the markers."""
-    masked = chat_prompt(model, [{**m, "content": f"\x01{index}\x02"} for index, m in enumerate(messages)])
-    parts = _MARKER.split(masked)  # text, index, text, index, ..., text
-    pieces, order = parts[0::2], [int(index) for index in parts[1::2]]
+    pieces, order = _template_pieces(model, messages)
     contents = [m["content"] for m in messages]
     leading = next((i for i, m in enumerate(messages) if m["role"] != "system"), len(messages))
     if order == list(range(len(messages))) and "".join(
@@ -78,3 +76,23 @@ def prompt_tokens(model: LlamaModel, messages: list[dict[str, str]]) -> tuple[li
         if model.tokenize(content) != model.tokenize(content, special=False):
             raise SpectuneError("a message holds the text of a control token (such as <|im_start|>): not allowed")
     return model.tokenize(chat_prompt(model, messages)), 0
+
+
+def _template_pieces(model: LlamaModel, messages: list[dict[str, str]]) -> tuple[list[str], list[int]]:
+    """The template's own text around the messages' contents, and the order the contents came in: each content is
+    swapped for a numbered marker and the template rendered once."""
+    masked = chat_prompt(model, [{**m, "content": f"\x01{index}\x02"} for index, m in enumerate(messages)])
+    parts = _MARKER.split(masked)  # text, index, text, index, ..., text
+    return parts[0::2], [int(index) for index in parts[1::2]]
+
+
+def turn_opening(model: LlamaModel, messages: list[dict[str, str]]) -> list[int]:
+    """The tokens of the template's text between an answer to `messages` and the caller's next words (ChatML's
+    `<|im_end|>\n<|im_start|>user\n`), as prompt_tokens will tokenize them in the next turn's prompt; [] where the
+    template does not keep contents apart from its own text."""
+    turn = [*messages, {"role": "assistant", "content": ""}, {"role": "user", "content": ""}]
+    try:
+        pieces, order = _template_pieces(model, turn)
+    except SpectuneError:  # e.g. a template that checks how roles alternate
+        return []
+    return model.tokenize(pieces[-2]) if order == list(range(len(turn))) else []

@@ -144,11 +144,11 @@ class LlamaModel:
             raise SpectuneError(f"{self.path}: llama.cpp could not load this GGUF")
         self.vocab = llama_cpp.llama_model_get_vocab(self.model)
         self.n_vocab = llama_cpp.llama_vocab_n_tokens(self.vocab)
-        self.bos = llama_cpp.llama_vocab_bos(self.vocab)
-        self.eos = llama_cpp.llama_vocab_eos(self.vocab)
+        self.bos, self.eos = llama_cpp.llama_vocab_bos(self.vocab), llama_cpp.llama_vocab_eos(self.vocab)
         self.adds_bos = bool(llama_cpp.llama_vocab_get_add_bos(self.vocab))  # what llama.cpp's tools do to a prompt
         self.threads = thread_count(threads)
         self._abort_requested = ctypes.c_bool(False)  # read by abort_flag.c between graph nodes
+        self._stopped, self._flag_lock = False, threading.Lock()  # _stopped: abort() was called, the flag stays set
         self.ctx = llama_cpp.llama_init_from_model(self.model, self._context_params(n_ctx, n_batch, exact, beside))
         if not self.ctx:
             raise SpectuneError(f"{self.path}: llama.cpp could not create a context of {n_ctx} tokens")
@@ -193,7 +193,15 @@ class LlamaModel:
     def abort(self) -> None:
         """From any thread: cut the decode in progress within a graph node, and refuse every later one
         (DecodeAborted). For a model that will not decode again: its server is stopping."""
-        self._abort_requested.value = True
+        with self._flag_lock:
+            self._stopped = True
+            self._abort_requested.value = True
+
+    def interrupt(self, cut: bool) -> None:
+        """From any thread: cut=True cuts the decode in progress within a graph node and refuses every later one
+        (DecodeAborted) until interrupt(False); an abort() stays. For work that yields to a caller at once."""
+        with self._flag_lock:
+            self._abort_requested.value = cut or self._stopped
 
     def memory_bytes(self) -> int:
         """What one more load of this model costs in memory, about: its f16 KV cache for n_ctx, and its weights again

@@ -90,28 +90,31 @@ class SpeculativeDecoder:
         for model in [self.target, *self.speculators.models]:
             model.abort()
 
+    def interrupt(self, cut: bool) -> None:
+        """From any thread: cut (True) or allow again (False) every model's decoding (LlamaModel.interrupt)."""
+        for model in [self.target, *self.speculators.models]:
+            model.interrupt(cut)
+
     def forget(self) -> None:
         """Drop both KV caches and what the lookup learned (the next prompt shares nothing with the previous one,
         e.g. another caller's)."""
         self.target.truncate(0)
         self.speculators.forget()
 
-    def extend(
-        self, tokens: list[int], keep_going: Callable[[], bool] = lambda: True, batch: int = 0
-    ) -> tuple[int, np.ndarray] | None:
+    def extend(self, tokens: list[int], keep_going: Callable[[], bool] = lambda: True) -> tuple[int, np.ndarray] | None:
         """Bring the target's cache to exactly `tokens`, reusing the prefix it holds (all but the last token, whose
-        logits it returns), `batch` tokens at a time (0: the model's batch) so that it can be cancelled between
-        batches. (Tokens reused, the last token's logits); None when cancelled (what was decoded stays cached)."""
+        logits it returns), a batch at a time so that it can be cancelled between batches (or within one:
+        interrupt). (Tokens reused, the last token's logits); None when cancelled (what was decoded stays cached)."""
         reused = min(self.target.reusable_prefix(tokens), len(tokens) - 1)
         self.target.truncate(reused)
-        size = min(batch or self.target.n_batch, self.target.n_batch)
+        size = self.target.n_batch
         logits = np.empty(0)
         for position in range(reused, len(tokens), size):
             if not keep_going():
                 return None
             try:
                 logits = self.target.decode(tokens[position : position + size], position, all_logits=False)
-            except DecodeAborted:  # the server is stopping: cut inside the batch, not after it
+            except DecodeAborted:  # the server is stopping, or a caller needs the slot: cut inside the batch
                 return None
         return reused, logits[-1]
 
@@ -121,7 +124,6 @@ class SpeculativeDecoder:
         stats: Stats,
         keep_going: Callable[[], bool] = lambda: True,
         checkpoint: Checkpoint = None,
-        batch: int = 0,
     ) -> np.ndarray | None:
         """Decode the prompt, reusing the KV of a prefix a previous turn left, batch by batch (`extend`), so a
         long prompt can be cancelled: the logits of its last token (the first token comes from them in the same
@@ -136,10 +138,10 @@ class SpeculativeDecoder:
         stats.reused_prompt_tokens = min(self.target.reusable_prefix(prompt), len(prompt) - 1)
         length, call = checkpoint or (0, None)
         if call is not None and stats.reused_prompt_tokens < length < len(prompt) - 1:
-            if self.extend(prompt[:length], keep_going, batch) is None:
+            if self.extend(prompt[:length], keep_going) is None:
                 return None
             call()
-        if (decoded := self.extend(prompt, keep_going, batch)) is None:
+        if (decoded := self.extend(prompt, keep_going)) is None:
             return None
         stats.prefill_seconds = time.perf_counter() - start
         return decoded[1]

@@ -44,6 +44,7 @@ from spectune.serve.slots import Slot, calibration_conversations, check_slot_mem
 class Prompt:
     tokens: list[int]
     shared: int  # where the caller's first words start: what its scope shares (serve/prefix_cache.py)
+    messages: list[dict[str, str]]  # as the template rendered them
     seconds: float  # rendering and tokenizing it took
 
 
@@ -163,13 +164,13 @@ class Server:
 
     async def take_slot(self, request: Request) -> Slot | JSONResponse:
         """A free slot, waited for in arrival order; 503 past the queue timeout or when the server stops. A caller
-        who has to wait takes the slot time of no one's prefill-only request: those are cancelled."""
+        who has to wait waits for no work nobody waits for (a prefill-only request, the decoding of a caller's next
+        turn's opening after an answer): that yields its slot within a batch."""
         if self.closing:
             return self.fail(503, "the server is shutting down", "server_shutting_down")
         if self.slots.empty():
             for job in self.jobs:
-                if job.prefill_only:
-                    job.cancel.set()
+                job.yield_slot()
         if self.queued + len(self.jobs) >= self.config.limit_concurrency:
             message = f"{self.config.limit_concurrency} requests are in progress; retry shortly"
             return self.fail(503, message, "server_busy", headers={"Retry-After": "1"})
@@ -223,7 +224,7 @@ class Server:
         if self.tokenizer.n_ctx - len(tokens) <= 1:
             message = f"the conversation is {len(tokens)} tokens; the context holds {self.tokenizer.n_ctx}"
             return self.fail(413, message, "context_length_exceeded", "messages")
-        return Prompt(tokens, shared, time.perf_counter() - start)
+        return Prompt(tokens, shared, messages, time.perf_counter() - start)
 
     def start(self, slot: Slot, chat: ChatRequest, prompt: Prompt, caller: Caller, arrived: float) -> Job:
         """Start the generation (or the prefill of a max_tokens 0 request) in the slot; the slot goes back when it
@@ -231,7 +232,7 @@ class Server:
         try:
             room = slot.target.n_ctx - len(prompt.tokens)
             sampling = None if chat.prefill_only else self.sampling(chat, room)
-            prefix = Prefix(caller, prompt.shared, self.store, self.config.reuse_prefix)
+            prefix = Prefix(caller, prompt.shared, self.store, self.config.reuse_prefix, prompt.messages)
             job = Job(slot, prompt.tokens, sampling, asyncio.get_running_loop(), self.config, arrived, prefix)
         except BaseException:  # anything, cancellation included: the Guard answers 500 and counts it
             self.release(slot)
@@ -242,13 +243,13 @@ class Server:
         if chat.prefill_only:
             self.pending[caller] = job
 
-        def ended(_: Any) -> None:  # the slot is free exactly when its generation has ended
+        def ended(_: Any) -> None:  # the slot is free exactly when its job has ended, the work after the answer too
             self.jobs.discard(job)
             if self.pending.get(caller) is job:
                 del self.pending[caller]
             self.release(slot)
 
-        job.done.add_done_callback(ended)
+        job.freed.add_done_callback(ended)
         job.start()
         if self.closing:  # stopped while this request was being tokenized
             job.cancel.set()
@@ -267,7 +268,7 @@ class Server:
             return chat
         caller = self.caller(request, chat)
         if (running := self.pending.get(caller)) is not None:  # a newer turn of this caller's words
-            running.cancel.set()
+            running.yield_slot()
         prompt = await self.tokenized(chat)
         if isinstance(prompt, JSONResponse):
             return prompt

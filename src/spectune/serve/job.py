@@ -5,13 +5,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from spectune.runtime.chat import turn_opening
 from spectune.runtime.decode import DecodeSettings
 from spectune.runtime.first_words import FirstWords
 from spectune.runtime.kv_state import save_decoder
@@ -20,6 +22,8 @@ from spectune.runtime.stats import Stats
 from spectune.serve.config import ServeConfig
 from spectune.serve.prefix_cache import Caller, PrefixStore, conversation_key, shared_key
 from spectune.serve.slots import Slot
+
+logger = logging.getLogger(__name__)
 
 
 def cut_message(stats: Stats) -> str:
@@ -62,9 +66,6 @@ def stats_json(stats: Stats, stages: dict[str, float]) -> dict[str, Any]:
 HAND_OVER_SECONDS = 0.002
 
 
-PREFILL_ONLY_BATCH = 32  # a prefill-only request yields its slot to a waiting caller within this many tokens
-
-
 @dataclass
 class Prefix:
     """What a job's prefill may reuse and what it leaves for later (serve/prefix_cache.py)."""
@@ -73,6 +74,7 @@ class Prefix:
     shared: int  # where the caller's first words start in the prompt (what the caller's scope shares)
     store: PrefixStore
     reuse: bool  # the server's reuse_prefix
+    messages: list[dict[str, str]]  # the conversation rendered: what opens the caller's next turn follows from it
 
 
 class Job:
@@ -104,7 +106,11 @@ class Job:
         # request while a slow reader still reads this one's)
         self.queue: asyncio.Queue[tuple[str, dict[str, Any]] | None] = asyncio.Queue()
         self.cancel = threading.Event()
-        self.done: asyncio.Future = loop.create_future()
+        self.wanted = threading.Event()  # a caller waits for a slot: work nobody waits for stops (yield_slot)
+        self._yieldable = False  # the job thread is in such work: yield_slot cuts its decode
+        self._yield_lock = threading.Lock()
+        self.done: asyncio.Future = loop.create_future()  # the answer (or the prefill) is complete
+        self.freed: asyncio.Future = loop.create_future()  # the slot is free again: the work after the answer is done
         self.thread = threading.Thread(target=self._run, daemon=True)
 
     def start(self) -> None:
@@ -146,13 +152,14 @@ class Job:
         try:
             self._prepare()
             result = self._prefill_only() if self.sampling is None else self._generate(on_text)
-            self._keep(result)
         except Exception as exc:  # surfaces in the request that waits for it
             self._call(self._finish, None, exc)
         else:
             if unsent[0]:
                 hand_over()
             self._call(self._finish, result, None)
+            self._after(result)
+        self._call(self.freed.set_result, None)
 
     def _prepare(self) -> None:
         start = time.perf_counter()
@@ -173,21 +180,62 @@ class Job:
         decoder = self.slot.decoder
         return decoder.generate(self.prompt, self.sampling, on_text, self.first_words, self._checkpoint())
 
+    def yield_slot(self) -> None:
+        """From the event loop: a caller needs the slot. Work nobody waits for (a prefill-only request, the opening
+        of a caller's next turn after an answer) stops at once, its decode cut within a graph node."""
+        with self._yield_lock:
+            self.wanted.set()
+            if self._yieldable:
+                self.slot.decoder.interrupt(True)
+
+    @contextlib.contextmanager
+    def _yielding(self) -> Iterator[Callable[[], bool]]:
+        """Work nobody waits for, on the job thread: a function that says whether to go on (yield_slot)."""
+        with self._yield_lock:
+            self._yieldable = True
+            self.slot.decoder.interrupt(self.wanted.is_set())
+        try:
+            yield lambda: not self.wanted.is_set()
+        finally:
+            with self._yield_lock:  # before the slot is free: the next job decodes uncut
+                self._yieldable = False
+                self.slot.decoder.interrupt(False)
+
     def _prefill_only(self) -> Generation:
         stats = Stats()
-        decoded = self.slot.decoder.prefill(
-            self.prompt, stats, lambda: not self.cancel.is_set(), self._checkpoint(), PREFILL_ONLY_BATCH
-        )
+        with self._yielding() as unwanted:
+
+            def keep_going() -> bool:  # nor has its caller hung up
+                return unwanted() and not self.cancel.is_set()
+
+            decoded = self.slot.decoder.prefill(self.prompt, stats, keep_going, self._checkpoint())
         stats.finish_reason = "length" if decoded is not None else "cancelled"
         return Generation([], "", stats)
 
-    def _keep(self, result: Generation) -> None:
-        """The caller's conversation as the caches hold it now, for its next turn in whichever slot serves it."""
+    def _after(self, result: Generation) -> None:
+        """While the caller listens (the answer is sent, the slot still held): decode what opens the caller's next
+        turn, then keep the conversation as the caches hold it, for that turn in whichever slot serves it. A failure
+        here costs the next turn its reuse, nothing else: logged, not raised."""
         prefix = self.prefix
-        if prefix.reuse and prefix.store.max_bytes and prefix.caller.user is not None and not self.aborted:
-            start = time.perf_counter()
-            prefix.store.put(conversation_key(prefix.caller), save_decoder(self.slot.decoder))
-            self.stages["save_seconds"] = time.perf_counter() - start
+        if not prefix.reuse or prefix.caller.user is None or self.aborted:
+            return
+        try:
+            if result.stats.finish_reason != "cancelled" and not self.prefill_only:
+                self._open_next_turn(result.text)
+            if prefix.store.max_bytes and not self.aborted:
+                prefix.store.put(conversation_key(prefix.caller), save_decoder(self.slot.decoder))
+        except Exception:
+            logger.exception("keeping the conversation of %s for its next turn", prefix.caller)
+
+    def _open_next_turn(self, answer: str) -> None:
+        """The caller's next prompt starts with this one, the answer and the template's text before the caller's
+        words: decoded now (yielding to a waiting caller), that turn prefills only its words."""
+        model = self.slot.target
+        opening = turn_opening(model, self.prefix.messages)
+        if opening:
+            tokens = self.prompt + model.tokenize(answer, special=False) + opening
+            with self._yielding() as keep_going:
+                self.slot.decoder.extend(tokens, keep_going)
 
     def _finish(self, result: Any, error: BaseException | None) -> None:
         if error is not None:
