@@ -198,9 +198,7 @@ def main() -> None:
     parser.add_argument("--n", type=int, default=30)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument(
-        "--ignore-eos", action="store_true", help="every answer runs to --max-tokens (short answers time poorly)"
-    )
+    parser.add_argument("--ignore-eos", action="store_true", help="every answer runs to --max-tokens")
     parser.add_argument("--draft-max", default="auto", help="k of the spectune servers (a run's pair.json has it)")
     args = parser.parse_args()
     conversations = [prompt.messages for prompt in read_prompts(args.data)[: args.n]]
@@ -212,10 +210,9 @@ def main() -> None:
             label: Client(url, lambda text: model.tokenize(text, special=False), args.ignore_eos)
             for label, url in urls.items()
         }
-        labels = list(urls)
+        labels, runs = list(urls), {label: [] for label in urls}
         for client in clients.values():  # warm-up: page faults, the first wake of each engine's threads
             timed_answer(client, conversations[0], 8)
-        runs = {label: [] for label in labels}
         for index, messages in enumerate(conversations):
             for label, run in one_prompt(clients, index, messages, args.max_tokens).items():
                 runs[label].append(run)

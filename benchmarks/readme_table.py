@@ -218,10 +218,20 @@ def first_token_table(brief: bool = False) -> str:
             row[2:] = [f"{base['median_ttft_ms']:.0f} ms", f"{mine[key]:.2f}x", passes, f"{row[5]} / "
                        f"{base['median_prefill_ms']:.0f} ms"]  # fmt: skip
         rows.append([*row, f"{cached:.0f}"])
-    shown = rows if not brief else [row[:4] for row in rows]
+    shown = rows if not brief else [row[:4] for row in rows] + [first_audio_row()]
     lines = ["| " + " | ".join(row) + " |" for row in shown]
     lines.insert(1, "|" + "---|" * len(shown[0]))
     return "\n".join(lines)
+
+
+FIRST_AUDIO = "first_audio_qwen_sgd.json"  # benchmarks/first_audio.py
+
+
+def first_audio_row() -> list[str]:
+    """The median time from the end of a caller's turn to the first audio sample of the answer (`call --speak`)."""
+    result = json.loads((RESULTS / FIRST_AUDIO).read_text())
+    words = f"first audio, `spectune call --speak` ({len(result['turns'])} turns)"
+    return [words, f"{result['median_first_audio_ms']:.0f} ms", "-", "-"]
 
 
 COMMANDS = "commands.json"  # the two commands' times, as measured on this machine (each entry says how)

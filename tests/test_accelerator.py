@@ -23,7 +23,8 @@ ROOT = Path(__file__).parent.parent
 
 def tools(tmp_path: Path, nvidia_smi: str | None, nvcc: bool | str) -> Path:
     """A PATH folder with stand-ins: nvidia-smi printing `nvidia_smi` (None: no such tool), and nvcc in a toolkit
-    with cuBLAS (True), without it ("bare"), or none (False)."""
+    with cuBLAS and the driver library's stub (True), with cuBLAS only ("no stub"), with neither ("bare"), or none
+    (False)."""
     folder = tmp_path / "bin"
     folder.mkdir(parents=True, exist_ok=True)
     scripts = {"nvidia-smi": f"echo {nvidia_smi}" if nvidia_smi is not None else None, "nvcc": "true" if nvcc else None}
@@ -31,9 +32,11 @@ def tools(tmp_path: Path, nvidia_smi: str | None, nvcc: bool | str) -> Path:
         if body is not None:
             (folder / name).write_text(f"#!/bin/sh\n{body}\n")
             (folder / name).chmod(0o755)
-    if nvcc is True:
-        (tmp_path / "lib64").mkdir(exist_ok=True)
+    if nvcc in (True, "no stub"):
+        (tmp_path / "lib64" / "stubs").mkdir(parents=True, exist_ok=True)
         (tmp_path / "lib64" / "libcublas.so.13").write_bytes(b"")
+    if nvcc is True:
+        (tmp_path / "lib64" / "stubs" / "libcuda.so").write_bytes(b"")
     return folder
 
 
@@ -52,6 +55,7 @@ def cmake_args(tmp_path: Path, nvidia_smi: str | None, nvcc: bool | str, *flags:
         ("8.6", True, ["--cuda-arch", "80"], "-DGGML_LLAMAFILE=OFF -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=80"),
         ("8.9", False, [], "-DGGML_LLAMAFILE=OFF"),  # a card but nothing to build for it with
         ("8.9", "bare", [], "-DGGML_LLAMAFILE=OFF"),  # a toolkit without cuBLAS: llama.cpp's CUDA build stops
+        ("8.9", "no stub", [], "-DGGML_LLAMAFILE=OFF"),  # nor without libcuda (CUDA::cuda_driver)
         (None, True, [], "-DGGML_LLAMAFILE=OFF"),  # a toolkit and no card: this machine, CI
         ("8.9", True, ["--gpu", "cpu"], "-DGGML_LLAMAFILE=OFF"),
         (None, True, ["--gpu", "cuda"], "-DGGML_LLAMAFILE=OFF -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=89"),
@@ -72,7 +76,9 @@ def test_the_install_says_which_build_and_why(tmp_path):
     refused = cmake_args(tmp_path / "b", None, False, "--gpu", "cuda")
     assert refused.returncode != 0 and "no CUDA toolkit" in refused.stderr  # forced, with nothing to build with
     bare = cmake_args(tmp_path / "d", None, "bare", "--gpu", "cuda")  # this machine's toolkit: nvcc, no cuBLAS
-    assert bare.returncode != 0 and "has no cuBLAS" in bare.stderr
+    assert bare.returncode != 0 and "has no cuBLAS nor libcuda" in bare.stderr
+    stubless = cmake_args(tmp_path / "e", None, "no stub", "--gpu", "cuda")
+    assert stubless.returncode != 0 and "has no libcuda (the driver library" in stubless.stderr
     assert "choose one of auto, cuda, cpu" in cmake_args(tmp_path / "c", None, False, "--gpu", "gpu").stderr
 
 

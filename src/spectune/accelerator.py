@@ -12,6 +12,7 @@ prints the cmake arguments (or, with --describe, the one line the install log an
 from __future__ import annotations
 
 import argparse
+import ctypes.util
 import shutil
 import subprocess
 from collections.abc import Callable
@@ -53,14 +54,18 @@ def card_arch(which: Callable[[str], str | None], run: Callable[..., subprocess.
     return lines[0].replace(".", "") if lines and lines[0].replace(".", "").isdigit() else None
 
 
-def has_cublas(nvcc: str) -> bool:
-    """Whether the toolkit `nvcc` belongs to has cuBLAS, which llama.cpp's CUDA build links (a toolkit installed
-    without it, as this project's CPU machines have, stops that build at cmake: CUDA::cublas not found)."""
+def toolkit_lacks(nvcc: str) -> list[str]:
+    """What llama.cpp's CUDA build links that the toolkit `nvcc` belongs to lacks: cuBLAS, and the driver library
+    (libcuda: the toolkit's stubs, or the NVIDIA driver's own). A toolkit installed without them, as this project's
+    CPU machines have, stops that build at cmake (CUDA::cublas, CUDA::cuda_driver not found)."""
     root = Path(nvcc).resolve().parent.parent
-    return any(
-        any(root.glob(pattern))
-        for pattern in ("lib64/libcublas.so*", "lib/libcublas.so*", "targets/*/lib/libcublas.so*")
-    )
+
+    def found(name: str, *folders: str) -> bool:
+        return any(any(root.glob(f"{folder}/{name}*")) for folder in folders)
+
+    lacks = [] if found("libcublas.so", "lib64", "lib", "targets/*/lib") else ["cuBLAS"]
+    driver = found("libcuda.so", "lib64/stubs", "lib/stubs", "targets/*/lib/stubs") or ctypes.util.find_library("cuda")
+    return lacks + ([] if driver else ["libcuda (the driver library or the toolkit's stubs)"])
 
 
 def choose(
@@ -75,13 +80,18 @@ def choose(
     if gpu == "cpu":
         return Backend("cpu", None, "GPU=cpu")
     nvcc = which("nvcc")
-    toolkit = nvcc is not None and has_cublas(nvcc)
+    lacks = toolkit_lacks(nvcc) if nvcc is not None else []
+    toolkit = nvcc is not None and not lacks
     found = card_arch(which, run)
-    missing = "no CUDA toolkit (nvcc not on PATH)" if nvcc is None else f"the CUDA toolkit of {nvcc} has no cuBLAS"
+    missing = (
+        "no CUDA toolkit (nvcc not on PATH)"
+        if nvcc is None
+        else f"the CUDA toolkit of {nvcc} has no {' nor '.join(lacks)}"
+    )
     if gpu == "cuda":
         if not toolkit:
             raise ValueError(
-                f"GPU=cuda: {missing}, which llama.cpp's CUDA build needs; install it or build with GPU=cpu"
+                f"GPU=cuda: {missing}, which llama.cpp's CUDA build links; install them or build with GPU=cpu"
             )
         arch = cuda_arch or found or STORY_CARD_ARCH
         where = "CUDA_ARCH" if cuda_arch else "the card found" if found else "the story's card class (no card found)"
