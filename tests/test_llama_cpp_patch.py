@@ -15,7 +15,7 @@ from test_eagle3 import heads_in_llama_cpp_accept_what_the_meter_says
 
 from spectune.engines.llama_cpp import llama_cpp_source
 from spectune.export.gguf import export_model
-from spectune.llama_cpp_patch import PatchError, apply_patches, patch_tag, patched_binding_source
+from spectune.llama_cpp_patch import HEAD_TARGETS, PatchError, apply_patches, patch_tag, patched_binding_source
 from spectune.llama_cpp_pin import binding_patched, binding_version, fetch_sdist, llama_cpp_version, patched_build
 from spectune.models.load import load_tokenizer
 from spectune.train.draft import DraftConfig, train_draft
@@ -35,6 +35,8 @@ def test_the_tools_are_built_from_the_patched_sources():
     assert patch_tag() in str(source)
     for graph in PATCHED_GRAPHS:
         assert LAYER_INPUT in (source / graph).read_text(), graph
+    for architecture in HEAD_TARGETS:  # the one list of targets heads run beside is what the sources do
+        assert "t_layer_inp[il]" in (source / "src" / "models" / f"{architecture}.cpp").read_text(), architecture
 
 
 def fake_sdist(tmp_path: Path, graphs: dict[str, str]) -> Path:

@@ -20,6 +20,7 @@ import weakref
 import numpy as np
 
 from spectune.errors import SpectuneError
+from spectune.llama_cpp_patch import HEAD_TARGETS
 from spectune.runtime.draft_model import DRAFT, draft_chain
 from spectune.runtime.layer_inputs import shim
 from spectune.runtime.llama import LlamaModel, common_prefix
@@ -27,9 +28,6 @@ from spectune.runtime.sampling import Sampler
 from spectune.runtime.speculators import Proposal
 
 HEAD_LAYERS = 3  # EAGLE-3 reads a low, a middle and a high layer of its target
-# Targets whose graph in the pinned llama.cpp (patched: llama_cpp_patch.py) hands over layer inputs; on any other,
-# llama.cpp aborts the process at the first decode instead of returning an error.
-LAYER_INPUT_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3moe", "gemma3")
 
 
 class Eagle3Head:
@@ -41,10 +39,10 @@ class Eagle3Head:
         if model.n_vocab != target.n_vocab:
             raise SpectuneError(f"{model.path}: {model.n_vocab} tokens, its target {target.n_vocab}: not its head")
         architecture = target.metadata("general.architecture")
-        if architecture not in LAYER_INPUT_ARCHITECTURES:
+        if architecture not in HEAD_TARGETS:  # llama.cpp would abort the process at the first decode
             raise SpectuneError(
                 f"{target.path}: a {architecture} target; the pinned llama.cpp hands over layer inputs, what an "
-                f"EAGLE-3 head reads, only for {', '.join(LAYER_INPUT_ARCHITECTURES)}"
+                f"EAGLE-3 head reads, only for {', '.join(HEAD_TARGETS)}"
             )
         library = shim()
         count = library.spectune_head_layer_count(model.model)

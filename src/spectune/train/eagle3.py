@@ -28,6 +28,7 @@ from pydantic import BaseModel, Field, model_validator
 from spectune.atomic import atomic_path
 from spectune.cache import cache_root, path_hash
 from spectune.errors import SpectuneError
+from spectune.llama_cpp_patch import HEAD_TARGET_MODEL_TYPES
 from spectune.llama_cpp_pin import patched_build
 from spectune.models.load import load_tokenizer
 from spectune.models.resolve import MODEL_REFERENCE, resolve_model
@@ -53,9 +54,6 @@ from spectune.train.eagle3_head import (
 )
 from spectune.train.loop import fit_measured
 
-# HF model types whose llama.cpp graph hands its layer inputs to a draft (sets t_layer_inp): in the pinned sources,
-# and qwen2 (Qwen2.5) and gemma3 with spectune's patch (llama_cpp_patches/layer-inputs.patch).
-LAYER_INPUT_MODEL_TYPES = ("llama", "mistral", "qwen3", "qwen3_moe", "qwen2", "gemma3_text", "gemma3")
 STEP_WEIGHT = 0.8  # the loss of unrolled step i weighs STEP_WEIGHT**i: later steps matter only if earlier ones hit
 REPORT = "eagle3.json"
 NOT_A_LABEL, OUTSIDE_VOCABULARY = -1, -2  # Batch.labels where no token is predicted / the target's is not draftable
@@ -122,10 +120,10 @@ def check_target(target: Path) -> dict[str, Any]:
     """The target's config.json, or an error before any training where llama.cpp cannot run a head for it."""
     config = json.loads((target / "config.json").read_text())
     model_type = config.get("model_type")
-    if model_type not in LAYER_INPUT_MODEL_TYPES:
+    if model_type not in HEAD_TARGET_MODEL_TYPES:
         raise SpectuneError(
             f"{target}: an EAGLE-3 head drafts from the target's layer inputs, and the pinned llama.cpp "
-            f"({patched_build()}) hands them over only for {', '.join(LAYER_INPUT_MODEL_TYPES)}; this target is "
+            f"({patched_build()}) hands them over only for {', '.join(HEAD_TARGET_MODEL_TYPES)}; this target is "
             f"{model_type!r} (its graph does not set t_layer_inp)"
         )
     rope_type = head_rope(config)["rope_type"]
