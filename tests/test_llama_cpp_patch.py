@@ -15,8 +15,15 @@ from test_eagle3 import heads_in_llama_cpp_accept_what_the_meter_says
 
 from spectune.engines.llama_cpp import llama_cpp_source
 from spectune.export.gguf import export_model
-from spectune.llama_cpp_patch import HEAD_TARGETS, PatchError, apply_patches, patch_tag, patched_binding_source
-from spectune.llama_cpp_pin import binding_patched, binding_version, fetch_sdist, llama_cpp_version, patched_build
+from spectune.llama_cpp_patch import PatchError, apply_patches, patch_tag, patched_binding_source
+from spectune.llama_cpp_pin import (
+    HEAD_TARGETS,
+    binding_patched,
+    binding_version,
+    fetch_sdist,
+    llama_cpp_version,
+    patched_build,
+)
 from spectune.models.load import load_tokenizer
 from spectune.train.draft import DraftConfig, train_draft
 from spectune.train.eagle3 import Eagle3Config, train_eagle3

@@ -21,17 +21,6 @@ from pathlib import Path
 
 PATCHES = sorted((Path(__file__).parent / "llama_cpp_patches").glob("*.patch"))
 VENDORED = Path("vendor") / "llama.cpp"  # llama.cpp's sources inside the llama-cpp-python sdist
-# The targets whose graph in the patched llama.cpp hands its layer inputs to an EAGLE-3 head (sets t_layer_inp): each
-# GGUF architecture, with the HF model types converted to it. llama, qwen3 and qwen3moe by llama.cpp itself, qwen2
-# (Qwen2.5) and gemma3 by layer-inputs.patch; on any other target llama.cpp aborts at the first decode.
-HEAD_TARGETS: dict[str, tuple[str, ...]] = {
-    "llama": ("llama", "mistral"),
-    "qwen2": ("qwen2",),
-    "qwen3": ("qwen3",),
-    "qwen3moe": ("qwen3_moe",),
-    "gemma3": ("gemma3_text", "gemma3"),
-}
-HEAD_TARGET_MODEL_TYPES = tuple(model_type for types in HEAD_TARGETS.values() for model_type in types)
 
 
 class PatchError(RuntimeError):

@@ -16,6 +16,18 @@ from spectune.cache import cache_root
 from spectune.errors import SpectuneError
 from spectune.llama_cpp_patch import patch_tag
 
+# The targets whose graph in the patched llama.cpp hands its layer inputs to an EAGLE-3 head (sets t_layer_inp): each
+# GGUF architecture, with the HF model types converted to it. llama, qwen3 and qwen3moe by llama.cpp itself, qwen2
+# (Qwen2.5) and gemma3 by layer-inputs.patch; on any other target llama.cpp aborts at the first decode.
+HEAD_TARGETS: dict[str, tuple[str, ...]] = {
+    "llama": ("llama", "mistral"),
+    "qwen2": ("qwen2",),
+    "qwen3": ("qwen3",),
+    "qwen3moe": ("qwen3_moe",),
+    "gemma3": ("gemma3_text", "gemma3"),
+}
+HEAD_TARGET_MODEL_TYPES = tuple(model_type for types in HEAD_TARGETS.values() for model_type in types)
+
 
 def binding_version() -> str:
     """The installed llama-cpp-python's version: the pin, with `+spectune.DIGEST` where built from patched sources."""

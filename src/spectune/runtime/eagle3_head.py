@@ -20,7 +20,7 @@ import weakref
 import numpy as np
 
 from spectune.errors import SpectuneError
-from spectune.llama_cpp_patch import HEAD_TARGETS
+from spectune.llama_cpp_pin import HEAD_TARGETS
 from spectune.runtime.draft_model import DRAFT, draft_chain
 from spectune.runtime.layer_inputs import shim
 from spectune.runtime.llama import LlamaModel, common_prefix

@@ -28,8 +28,7 @@ from pydantic import BaseModel, Field, model_validator
 from spectune.atomic import atomic_path
 from spectune.cache import cache_root, path_hash
 from spectune.errors import SpectuneError
-from spectune.llama_cpp_patch import HEAD_TARGET_MODEL_TYPES
-from spectune.llama_cpp_pin import patched_build
+from spectune.llama_cpp_pin import HEAD_TARGET_MODEL_TYPES, patched_build
 from spectune.models.load import load_tokenizer
 from spectune.models.resolve import MODEL_REFERENCE, resolve_model
 from spectune.progress import progress
