@@ -176,13 +176,15 @@ def doctor(config: DoctorConfig) -> None:
         verdict = identity_verdict(gguf, config.exact)
         types = ", ".join(f"{count} {name}" for name, count in verdict["matrix_types"].items())
         on_gpu = gpu_offload()
-        console.print(f"{gguf}: weight matrices {types}; runs on {LlamaModel(gguf, n_ctx=64, threads=1).device}")
+        check = check_identity(gguf, config.exact) if on_gpu or config.measure else None
+        device = check.device if check else LlamaModel(gguf, n_ctx=64, threads=1).device  # one load either way
+        console.print(f"{gguf}: weight matrices {types}; runs on {device}")
         if not on_gpu:  # the rule is the CPU kernels': a GPU's are measured, not assumed
             if verdict["guaranteed"]:
                 console.print("  [green]identical answers: guaranteed[/] (batched logits equal one-token logits)")
             for reason in verdict["reasons"]:
                 console.print(f"  [red]identical answers not guaranteed[/]: {reason}")
-        measured = report_measured(check_identity(gguf, config.exact)) if on_gpu or config.measure else True
+        measured = report_measured(check) if check else True
         refused += not (measured and (on_gpu or verdict["guaranteed"]))
     if refused:
         raise typer.Exit(1)

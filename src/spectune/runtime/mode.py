@@ -190,7 +190,7 @@ def measure_and_record(
 
 def close(decoder: SpeculativeDecoder) -> None:
     """Free a decoder's models now (not at the garbage collector's leisure: a repacked target is a copy)."""
-    for model in [decoder.target, *decoder.speculators.models]:
+    for model in decoder.models:
         model.close()
 
 

@@ -84,15 +84,20 @@ class SpeculativeDecoder:
         self.first_words_rule = FirstWordsRule()
         self.progress = Stats()  # the running generation's statistics, as they grow (a server's live usage)
 
+    @property
+    def models(self) -> list[LlamaModel]:
+        """The target, then every speculator's model."""
+        return [self.target, *self.speculators.models]
+
     def abort(self) -> None:
         """From any thread: cut the decode in progress in every model (the generation ends "cancelled"); no model
         decodes again. For a server that is stopping."""
-        for model in [self.target, *self.speculators.models]:
+        for model in self.models:
             model.abort()
 
     def interrupt(self, cut: bool) -> None:
         """From any thread: cut (True) or allow again (False) every model's decoding (LlamaModel.interrupt)."""
-        for model in [self.target, *self.speculators.models]:
+        for model in self.models:
             model.interrupt(cut)
 
     def forget(self) -> None:
@@ -187,7 +192,7 @@ class SpeculativeDecoder:
         model can be freed while it runs, not even at interpreter exit (logits are read in place, and the text is
         made from the model's vocabulary)."""
         with contextlib.ExitStack() as busy:
-            for model in [self.target, *self.speculators.models]:
+            for model in self.models:
                 busy.enter_context(model.busy)
             return self._generate(prompt, config, on_text, first_words, checkpoint)
 

@@ -165,7 +165,7 @@ class Server:
     async def take_slot(self, request: Request) -> Slot | JSONResponse:
         """A free slot, waited for in arrival order; 503 past the queue timeout or when the server stops. A caller
         who has to wait waits for no work nobody waits for (a prefill-only request, the decoding of a caller's next
-        turn's opening after an answer): that yields its slot within a batch."""
+        turn's opening after an answer): that yields its slot at once, its decode cut within a graph node."""
         if self.closing:
             return self.fail(503, "the server is shutting down", "server_shutting_down")
         if self.slots.empty():

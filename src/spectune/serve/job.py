@@ -151,7 +151,7 @@ class Job:
         self.started = time.perf_counter()
         try:
             self._prepare()
-            result = self._prefill_only() if self.sampling is None else self._generate(on_text)
+            result = self._prefill_only() if self.prefill_only else self._generate(on_text)
         except Exception as exc:  # surfaces in the request that waits for it
             self._call(self._finish, None, exc)
         else:

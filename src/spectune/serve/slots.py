@@ -53,7 +53,7 @@ def available_memory() -> int | None:
 def check_slot_memory(first: SpeculativeDecoder, slots: int, mode: str) -> None:
     """Refuse, before loading them, more slots than the memory left holds (each its caches, and in the fastest
     mode its repacked weights), naming the numbers; measured off the first slot's models."""
-    each = SLOT_OVERHEAD_BYTES + sum(model.memory_bytes() for model in [first.target, *first.speculators.models])
+    each = SLOT_OVERHEAD_BYTES + sum(model.memory_bytes() for model in first.models)
     need, available = (slots - 1) * each, available_memory()
     if available is not None and need > MEMORY_HEADROOM * available:
         mib = 1 << 20
