@@ -5,10 +5,9 @@ is, `draft-eagle3`, `draft-mtp` or `draft-simple`), against
 llama.cpp's target alone (llama-server, the same GGUF, threads and exact settings): identical answers, acceptance as
 llama.cpp counts it, wall-clock speed over the target alone (all tokens over all decode seconds, each prompt's
 median run), beside the acceptance stage's offline α, τ at the recommended k, c (what a step reads of the GGUFs)
-and predicted GPU speedup, and the head's training time (spectune's own loop runs a head too:
-benchmarks/loop_vs_llama_cpp.py compares the two loops on one). Runs the config's stages up to acceptance (finished
-ones reused), with `drafts.eagle3: {}` where the config has none; prompts, their count, repeats and answer length
-are the config's bench settings.
+and predicted GPU speedup, and the head's training time (spectune's own loop runs a head too). Runs the config's
+stages up to acceptance (finished ones reused), with `drafts.eagle3: {}` where the config has none; prompts, their
+count, repeats and answer length are the config's bench settings.
 
 Usage: python benchmarks/eagle3.py configs/smollm2-sgd.yaml --name smollm2_sgd --methods-seqkd
        python benchmarks/eagle3.py demo:demo --name demo

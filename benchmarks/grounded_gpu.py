@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from spectune.atomic import atomic_path
+from spectune.bench.report import read_result
 from spectune.bench.summary import BenchSummary, bench_summaries, first_sentence_over_alone
 from spectune.export.gguf import export_model
 from spectune.gpu.card import GpuCard, reference_card
@@ -47,27 +48,17 @@ REPORT = RESULTS / "gpu_grounded.json"
 # spectune's own pair, any other a fetched model
 PAIRS = {
     "speculative_demo.json": ("demo", "demo"),
-    "history/speculative_medium.json": ("medium", "medium"),
-    "history/speculative_smollm2_sgd.json": ("smollm2-135m-instruct", None),
     "speculative_smollm2_sgd_ngram.json": ("smollm2-135m-instruct", None),
-    "history/speculative_gemma3_270m_sgd_tuned.json": ("gemma3-270m", None),
     "speculative_qwen_sgd.json": ("qwen2.5-coder-1.5b-instruct", "qwen2.5-coder-0.5b-instruct"),
     "speculative_gemma3_270m_sgd_ngram.json": ("gemma3-270m", None),
     "eagle3_smollm2_sgd.json": ("smollm2-135m-instruct", None),
     "eagle3_gemma3_270m_sgd.json": ("gemma3-270m", None),
-    "llama_cpp_files_qwen_sgd_head.json": ("qwen2.5-coder-1.5b-instruct", "qwen2.5-coder-0.5b-instruct"),
-    "llama_cpp_files_qwen_sgd_head_600.json": ("qwen2.5-coder-1.5b-instruct", "qwen2.5-coder-0.5b-instruct"),
-    "llama_cpp_files_qwen_sgd_head_sys.json": ("qwen2.5-coder-1.5b-instruct", "qwen2.5-coder-0.5b-instruct"),
     "llama_cpp_files_qwen_sgd_head_512.json": ("qwen2.5-coder-1.5b-instruct", "qwen2.5-coder-0.5b-instruct"),
-    "llama_cpp_files_qwen_sgd_head_500_dialogues.json": ("qwen2.5-coder-1.5b-instruct", "qwen2.5-coder-0.5b-instruct"),
 }
 DRAFT_LAYERS = {"qwen2.5-coder-0.5b-instruct": 24}  # num_hidden_layers of the fetched draft's config
 # `spectune bench` reports on the tuned Qwen 1.5B (the target of speculative_qwen_sgd.json): each draft model's layers
 BENCH_REPORTS = {
-    "speculative_qwen_sgd_lookup.json": {"generic": 24},
-    "speculative_qwen_sgd_cuts.json": {"generic": 24, "cut4": 4, "cut8": 8},
     "speculative_qwen_sgd_domain.json": {"generic": 24, "seqkd": 24},
-    "speculative_qwen_sgd_ngram_mod.json": {"seqkd": 24},
 }
 BENCH_TARGET = "speculative_qwen_sgd.json"
 HEAD_LAYERS = 1  # an EAGLE-3 head is one decoder layer (train/eagle3.py)
@@ -181,7 +172,7 @@ def first_sentence(row: dict[str, Any], grounded: float) -> dict[str, float] | N
 def bench_report_predictions(card: GpuCard, file: str, target: Weights) -> dict[str, dict[str, Any]]:
     """A `spectune bench` report's variants on the card, from their τ, mean drafted and bytes c (as the results of
     spectune's own loop above), and the first sentence."""
-    report = json.loads((RESULTS / file).read_text())
+    report = read_result(RESULTS / file)
     summaries, out = bench_summaries(report["summary"], file), {}
     for name, s in summaries.items():
         model = Variant.parse(name).draft
@@ -227,7 +218,7 @@ def grounded_report(files: list[str], export: bool) -> dict[str, Any]:
         "results": {},
     }
     for file, (_, pair_draft) in PAIRS.items():
-        result, shape = json.loads((RESULTS / file).read_text()), shapes[file]
+        result, shape = read_result(RESULTS / file), shapes[file]
         target = Weights(total=round(shape["step_read"]), embedding=0, rows=1, tied=False, layers=shape["layers"])
         drafts = {
             name: predictions(card, result, target, pair_draft, name, row) for name, row in result["drafts"].items()

@@ -45,14 +45,14 @@ def test_every_relative_link_leads_to_a_file_and_heading_that_exist(page):
 
 
 def test_every_results_table_is_the_one_the_committed_results_render():
-    """The README's tables and docs/results.md's, each block exactly what benchmarks/readme_table.py renders."""
-    spec = importlib.util.spec_from_file_location("readme_table", ROOT / "benchmarks" / "readme_table.py")
+    """The README's tables and docs/results.md's, each block exactly what benchmarks/tables.py renders."""
+    spec = importlib.util.spec_from_file_location("tables", ROOT / "benchmarks" / "tables.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     for page, tables in module.BLOCKS.items():
         text = (ROOT / page).read_text()
         for name, render in tables.items():
-            assert module.blocks_of(text, name) == [render()], f"{page}: table {name}: run readme_table.py --write"
+            assert module.blocks_of(text, name) == [render()], f"{page}: table {name}: run benchmarks/tables.py --write"
     readme_tables = [line for line in (ROOT / "README.md").read_text().splitlines() if line.startswith("|---")]
     assert len(readme_tables) == 4  # the two commands' times, the headline, the verbs, the first token
 
@@ -87,24 +87,44 @@ STORY_GOALS = {"1.7", "2.2"}  # the reference story's speedups, goals rather tha
 FIGURE = re.compile(r"\d+(?:\.\d+)?(?: ?(?:x|ms|%|tok/s| min| s)\b)")  # a measured figure: a ratio, a time, a rate
 
 
-def readme_prose() -> str:
-    """The README outside its tables and code blocks, its lines joined (a figure may wrap)."""
-    prose, code = [], False
-    for line in (ROOT / "README.md").read_text().splitlines():
+def prose(page: Path) -> str:
+    """A page outside its tables and code blocks, its lines joined (a figure may wrap)."""
+    lines, code = [], False
+    for line in page.read_text().splitlines():
         code = code != line.startswith("```")
         if not code and not line.startswith(("|", "```")):
-            prose.append(" ".join(line.split()))
-    return " ".join(prose)
+            lines.append(" ".join(line.split()))
+    return " ".join(lines)
 
 
-def test_the_readme_is_a_short_guide_whose_figures_are_all_generated():
-    """Every figure the README shows is in a table benchmarks/readme_table.py renders from committed results (the
-    test above checks they are today's): its prose quotes none, so no edit of a result leaves a stale sentence."""
-    readme = (ROOT / "README.md").read_text()
-    assert len(readme.splitlines()) <= 120 and len(readme.split()) <= 1000
-    assert all(len(line) <= 120 for line in readme.splitlines() if not line.startswith("|"))
-    stray = [figure for figure in FIGURE.findall(readme_prose()) if figure.rstrip("x") not in STORY_GOALS]
-    assert not stray, f"figures in the README's prose (put them in a generated table): {stray}"
+# (page, most lines, most words or None): the README a user follows, the results a newcomer reads
+SHORT_PAGES = [("README.md", 120, 1000), ("docs/results.md", 300, None)]
+
+
+@pytest.mark.parametrize(("name", "most_lines", "most_words"), SHORT_PAGES, ids=[page for page, *_ in SHORT_PAGES])
+def test_a_short_page_whose_figures_are_all_generated(name, most_lines, most_words):
+    """Every figure the page shows is in a table benchmarks/tables.py renders from committed results (the test above
+    checks they are today's): its prose quotes none, so no edit of a result leaves a stale sentence."""
+    page = ROOT / name
+    text = page.read_text()
+    assert len(text.splitlines()) <= most_lines and (most_words is None or len(text.split()) <= most_words)
+    assert all(len(line) <= 120 for line in text.splitlines() if not line.startswith(("|", "python ", "spectune ")))
+    stray = [figure for figure in FIGURE.findall(prose(page)) if figure.rstrip("x") not in STORY_GOALS]
+    assert not stray, f"figures in {name}'s prose (put them in a generated table): {stray}"
+
+
+RESULTS = ROOT / "benchmarks" / "results"
+
+
+def test_the_committed_results_are_few_small_and_each_read_by_a_table_or_a_test():
+    files = [path for path in RESULTS.rglob("*") if path.is_file()]
+    assert len(files) <= 30 and all(path.stat().st_size <= 1_000_000 for path in files)
+    readers = [ROOT / "benchmarks" / script for script in ("tables.py", "grounded_gpu.py")]
+    readers += [*(ROOT / "tests").glob("*.py"), *(ROOT / "docs").glob("*.md")]
+    text = " ".join(reader.read_text() for reader in readers)
+    named = re.sub(r"(\w+)\.\{json,md\}", r"\1.json \1.md", text)  # a result's JSON and its rendering named at once
+    unread = [path.name for path in files if path.name.removesuffix(".gz") not in named]
+    assert not unread, f"committed results nothing reads: {unread}"
 
 
 def code_map() -> dict[str, str]:

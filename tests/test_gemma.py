@@ -1,8 +1,8 @@
 """Gemma's chat format through training masks, export and the runtime, on a tiny random Gemma 3 model.
 
 Gemma's template has no system role: a system prompt is folded into the first user turn. The template is the one
-spectune gives Gemma GGUFs that carry none (models/templates/gemma.jinja); the real model's checks are in
-benchmarks/gemma3_checks.py (`spectune models fetch gemma3-270m`)."""
+spectune gives Gemma GGUFs that carry none (models/templates/gemma.jinja); the real model's export
+checks run in `spectune export` (tokenizer and template against HF)."""
 
 from __future__ import annotations
 

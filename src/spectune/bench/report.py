@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gzip
 import json
 from pathlib import Path
 from typing import Any
@@ -24,6 +25,15 @@ def write_report(report: dict[str, Any], out: Path, with_plot: bool = True) -> N
         tmp.write_text(markdown(report))
     if with_plot:
         plot(report, out)
+
+
+def read_result(path: Path) -> dict[str, Any]:
+    """A committed result: `path`, or its gzip (`NAME.json.gz`, named or found beside an absent `NAME.json`: results
+    over 1 MB are committed compressed)."""
+    packed = path if path.suffix == ".gz" else path.with_name(path.name + ".gz")
+    if path == packed or (not path.is_file() and packed.is_file()):
+        return json.loads(gzip.decompress(packed.read_bytes()))
+    return json.loads(path.read_text())
 
 
 def timed_runs(repeats: int) -> str:

@@ -1,34 +1,35 @@
-"""The results tables, rendered from the committed results (benchmarks/results/speculative_*.json, and eagle3_*.json
-for the EAGLE-3 heads, each with its prediction on the reference card and its band from gpu_grounded.json), so they
-cannot drift and a new bench edits no prose: the README holds the headline table only, docs/results.md every pair's
-and the heads', each between `<!-- table: NAME -->` and `<!-- end table -->`. `tests/test_docs.py` checks that each
-block holds exactly what this renders.
+"""Every table of figures in the README and docs/results.md, rendered from the committed results in
+benchmarks/results/ (each speed prediction on the reference card with its band from gpu_grounded.json), so they cannot
+drift and a new bench edits no prose. Each table stands between `<!-- table: NAME -->` and `<!-- end table -->`;
+`tests/test_docs.py` checks that each block holds exactly what this renders.
 
-Usage: python benchmarks/readme_table.py           (prints the tables)
-       python benchmarks/readme_table.py --write   (rewrites the blocks in README.md and docs/results.md)
+Usage: python benchmarks/tables.py           (prints the tables)
+       python benchmarks/tables.py --write   (rewrites the blocks in README.md and docs/results.md)
 """
 
 from __future__ import annotations
 
-import json
 import re
 import statistics
 import sys
 from collections.abc import Callable
 from pathlib import Path
 
+from spectune.bench.report import read_result
 from spectune.bench.summary import BenchSummary, bench_summaries
 
 RESULTS = Path(__file__).parent / "results"
 GROUNDED = "gpu_grounded.json"  # benchmarks/grounded_gpu.py: the reference card applied to every result below
 CARD = "RTX 4060 Ti 16 GB"  # the reference card (spectune.gpu's published.yaml)
-# (results file, the pair in words, its data): the pairs the README reports beside the headline, the off-the-shelf
-# draft, the best tuned one and, where the bench ran n-gram lookup, its best variant
-PAIRS = (
-    ("speculative_demo.json", "demo 17M target, 1.3M draft", "generated voice-bot dialogues"),
-    ("speculative_smollm2_sgd_ngram.json", "SmolLM2-135M-Instruct, QLoRA on SGD", "SGD dev"),
-    ("speculative_gemma3_270m_sgd_ngram.json", "Gemma 3 270M, QLoRA on SGD", "SGD dev"),
-)
+# Each pair in words, with its data
+SMOLLM2, GEMMA3 = "SmolLM2-135M-Instruct, QLoRA on SGD (SGD dev)", "Gemma 3 270M, QLoRA on SGD (SGD dev)"
+# results file -> its pair: the pairs at a glance, the off-the-shelf draft, the best tuned one and, where the bench ran
+# n-gram lookup, its best variant
+PAIRS = {
+    "speculative_demo.json": "demo 17M target, 1.3M draft (generated voice-bot dialogues)",
+    "speculative_smollm2_sgd_ngram.json": SMOLLM2,
+    "speculative_gemma3_270m_sgd_ngram.json": GEMMA3,
+}
 HEADER = (
     "| pair (data) | draft | k | prompts | identical | acceptance | tokens per target pass | here: with the draft "
     "over the target alone | over llama.cpp's target alone: exact settings / its defaults | predicted on a GPU: "
@@ -51,12 +52,12 @@ DRAFT_WORDS = {
     "ngram+seqkd": "lookup, then the seqkd 0.5B",
 }
 
-# (results file, the pair in words, its data): EAGLE-3 heads beside the best standalone draft, in llama.cpp's loop
-HEADS = (
-    ("eagle3_smollm2_sgd.json", "SmolLM2-135M-Instruct, QLoRA on SGD", "SGD dev"),
-    ("eagle3_gemma3_270m_sgd.json", "Gemma 3 270M, QLoRA on SGD", "SGD dev"),
-    ("llama_cpp_files_qwen_sgd_head_512.json", "Qwen2.5-Coder 1.5B, QLoRA on SGD", "the run's eval split"),
-)
+# results file -> its pair: EAGLE-3 heads beside the best standalone draft, in llama.cpp's loop
+HEADS = {
+    "eagle3_smollm2_sgd.json": SMOLLM2,
+    "eagle3_gemma3_270m_sgd.json": GEMMA3,
+    "llama_cpp_files_qwen_sgd_head_512.json": "Qwen2.5-Coder 1.5B, QLoRA on SGD (the run's eval split)",
+}
 HEADS_HEADER = (
     "| pair (data) | draft | k | prompts | identical | acceptance (llama.cpp's count) | α / tokens per target pass "
     "(offline) | over llama.cpp's target alone, both in llama.cpp's loop | predicted on a GPU: bytes only / "
@@ -99,14 +100,14 @@ def on_card(grounded: dict) -> str:
 
 def gpu_figures(file: str, name: str) -> str:
     """The bytes-only and the reference card's prediction of a committed draft, each with its c."""
-    grounded = json.loads((RESULTS / GROUNDED).read_text())["results"][file]["drafts"][name]
+    grounded = read_result(RESULTS / GROUNDED)["results"][file]["drafts"][name]
     return (
         f"{grounded['bytes_only_committed']:.2f}x / {on_card(grounded)} "
         f"(c = {grounded['bytes_c']:.3f} / {grounded['grounded_c']:.3f})"
     )
 
 
-def row(file: str, pair: str, data: str, name: str, result: dict) -> str:
+def row(file: str, pair: str, name: str, result: dict) -> str:
     figures = BenchSummary.model_validate(result["drafts"][name])
     here, over_exact, over_defaults = (
         speedup_or_not_run(speedup, result)
@@ -117,7 +118,7 @@ def row(file: str, pair: str, data: str, name: str, result: dict) -> str:
         )
     )
     return (
-        f"| {pair} ({data}) | {name} | {figures.draft_max} | {figures.n} | {figures.identical}/{figures.n} "
+        f"| {pair} | {name} | {figures.draft_max} | {figures.n} | {figures.identical}/{figures.n} "
         f"| {figures.acceptance:.1%} | {figures.mean_accepted_len:.2f} | {here} "
         f"({figures.total_tokens:,} tokens) | {over_exact} / {over_defaults} "
         f"| {gpu_figures(file, name)} |"
@@ -126,20 +127,20 @@ def row(file: str, pair: str, data: str, name: str, result: dict) -> str:
 
 def table() -> str:
     lines = [HEADER]
-    for file, pair, data in PAIRS:
-        result = json.loads((RESULTS / file).read_text())
+    for file, pair in PAIRS.items():
+        result = read_result(RESULTS / file)
         drafts = bench_summaries(result["drafts"], file)
         for name in ("generic", best_draft(drafts), best_draft(drafts, looked_up=True)):
             if name is not None:
-                lines.append(row(file, pair, data, name, result))
+                lines.append(row(file, pair, name, result))
     return "\n".join(lines)
 
 
 def headline_table() -> str:
     lines = [HEADLINE_HEADER]
-    result = json.loads((RESULTS / HEADLINE).read_text())
+    result = read_result(RESULTS / HEADLINE)
     for name, f in bench_summaries(result["drafts"], HEADLINE).items():
-        grounded = json.loads((RESULTS / GROUNDED).read_text())["results"][HEADLINE]["drafts"][name]
+        grounded = read_result(RESULTS / GROUNDED)["results"][HEADLINE]["drafts"][name]
         lines.append(
             f"| {DRAFT_WORDS.get(name, name)} | {f.draft_max} | {f.acceptance:.1%} | {f.mean_accepted_len:.2f} "
             f"| {f.identical}/{f.n} / {f.llama_cpp_identical}/{f.n} "
@@ -150,11 +151,11 @@ def headline_table() -> str:
 
 def heads_table() -> str:
     lines = [HEADS_HEADER]
-    for file, pair, data in HEADS:
-        result = json.loads((RESULTS / file).read_text())
+    for file, pair in HEADS.items():
+        result = read_result(RESULTS / file)
         for name, f in result["drafts"].items():
             lines.append(
-                f"| {pair} ({data}) | {name} | {f['k']} | {f['n']} | {f['identical']}/{f['n']} "
+                f"| {pair} | {name} | {f['k']} | {f['n']} | {f['identical']}/{f['n']} "
                 f"| {f['llama_cpp_acceptance']:.1%} | {f['alpha']:.1%} / {f['tau']:.2f} "
                 f"| {speedup_or_not_run(f.get('over_llama_cpp_target_alone'), result)} ({f['tokens']:,} tokens) "
                 f"| {gpu_figures(file, name)} |"
@@ -172,7 +173,7 @@ ASSISTANT_HEADER = (
 
 
 def assistant_table() -> str:
-    llama_cpp, ours = (json.loads((RESULTS / file).read_text()) for file in ASSISTANT_FILES)
+    llama_cpp, ours = (read_result(RESULTS / file) for file in ASSISTANT_FILES)
     lines = [ASSISTANT_HEADER]
     for name, f in llama_cpp["drafts"].items():
         mine = ours["summary"][name]
@@ -200,7 +201,7 @@ TURNS = (  # (the result's kind of turn, in words)
 def first_token_table(brief: bool = False) -> str:
     """Median time to first token per kind of turn, spectune serve beside llama-server at its defaults, with each
     pass's ratio, the prefill time each server reports and the tokens cached (brief: the README's, without them)."""
-    result = json.loads((RESULTS / FIRST_TOKEN).read_text())
+    result = read_result(RESULTS / FIRST_TOKEN)
     ours, theirs = result["summary"]["spectune serve"], result["summary"]["llama-server, defaults"]
     size = f"{result['n']} SGD dialogues x {result['passes']} passes, {result['system_prompt_tokens']}-token prompt"
     turn = f"turn ({size})"
@@ -229,7 +230,7 @@ FIRST_AUDIO = "first_audio_qwen_sgd.json"  # benchmarks/first_audio.py
 
 def first_audio_row() -> list[str]:
     """The median time from the end of a caller's turn to the first audio sample of the answer (`call --speak`)."""
-    result = json.loads((RESULTS / FIRST_AUDIO).read_text())
+    result = read_result(RESULTS / FIRST_AUDIO)
     words = f"first audio, `spectune call --speak` ({len(result['turns'])} turns)"
     return [words, f"{result['median_first_audio_ms']:.0f} ms", "-", "-"]
 
@@ -240,9 +241,133 @@ COMMANDS = "commands.json"  # the two commands' times, as measured on this machi
 def commands_table() -> str:
     """How long the two commands took here, and what each one's time counts."""
     lines = ["| command | time here | measured |", "|---|---|---|"]
-    for command, record in json.loads((RESULTS / COMMANDS).read_text()).items():
+    for command, record in read_result(RESULTS / COMMANDS).items():
         lines.append(f"| `{command}` | {record['seconds'] / 60:.0f} min | {record['how']} |")
     return "\n".join(lines)
+
+
+def markdown_table(rows: list[list[str]]) -> str:
+    """Rows of cells, the first the header, as a Markdown table."""
+    lines = ["| " + " | ".join(row) + " |" for row in rows]
+    lines.insert(1, "|" + "---|" * len(rows[0]))
+    return "\n".join(lines)
+
+
+def card_or_dash(file: str, name: str, figures: BenchSummary) -> str:
+    """The draft's prediction on the reference card: gpu_grounded.json's where it holds the result, else the bench's
+    own (a bench made after the card model), else a dash."""
+    grounded = read_result(RESULTS / GROUNDED)
+    committed = grounded["results"].get(file) or grounded["bench_reports"].get(file)
+    if committed and "drafts" in committed:
+        return on_card(committed["drafts"][name])
+    if committed and name in committed:
+        return on_card(committed[name])
+    if figures.predicted_speedup_gpu_grounded and figures.predicted_speedup_gpu_grounded_band:
+        low, high = figures.predicted_speedup_gpu_grounded_band
+        return f"{figures.predicted_speedup_gpu_grounded:.2f}x ({low:.2f}-{high:.2f}x)"
+    return "-"
+
+
+def ratio_or_dash(value: float | None, result: dict) -> str:
+    return speedup_or_not_run(value, result) if value is not None else "-"
+
+
+def variants_table(file: str) -> str:
+    """Every variant a bench of one pair ran: what it guessed, whether the answers stayed the target alone's, its
+    speed here beside the target alone and llama.cpp's, and its predicted speed on a GPU."""
+    result = read_result(RESULTS / file)
+    drafts = bench_summaries(result["drafts"] if "summary" not in result else result["summary"], file)
+    rows = [[
+        f"draft ({next(iter(drafts.values())).n} prompts)", "k", "identical: ours / llama.cpp's tool", "acceptance",
+        "tokens per target pass", "here: over the target alone (tokens)",
+        "over llama.cpp's target alone: exact settings / its defaults",
+        f"predicted on a GPU: bytes only / {CARD} (band)",
+    ]]  # fmt: skip
+    for name, f in drafts.items():
+        theirs = f"{f.llama_cpp_identical}/{f.n}" if f.llama_cpp_identical is not None else "-"
+        rows.append([
+            name, str(f.draft_max), f"{f.identical}/{f.n} / {theirs}", f"{f.acceptance:.1%}",
+            f"{f.mean_accepted_len:.2f}",
+            f"{speedup_or_not_run(f.aggregate_speedup, result)} ({f.total_tokens:,})",
+            f"{ratio_or_dash(f.aggregate_speedup_over_llama_cpp, result)} / "
+            f"{ratio_or_dash(f.aggregate_speedup_over_llama_cpp_defaults, result)}",
+            f"{f.predicted_speedup_gpu:.2f}x / {card_or_dash(file, name, f)}",
+        ])  # fmt: skip
+    return markdown_table(rows)
+
+
+def methods_table(*files: str) -> str:
+    """How each way of training a draft did offline: acceptance of the tuned target's greedy tokens, tokens per target
+    pass at the best k, the bytes-only GPU prediction, the training time."""
+    rows = [["pair", "draft", "α (offline)", "tokens per target pass", "best k",
+             "predicted on a GPU, bytes only", "training seconds"]]  # fmt: skip
+    for file in files:
+        result = read_result(RESULTS / file)
+        for row in result["rows"]:
+            rows.append([
+                result["pair"]["fetch"] or result["pair"]["size"], row["name"], f"{row['alpha']:.1%}",
+                f"{row['tau']:.2f}", str(row["best_k"]), f"{row['predicted_speedup']:.2f}x",
+                f"{row['train_seconds_total']:,.0f}",
+            ])  # fmt: skip
+    return markdown_table(rows)
+
+
+NGRAM_SOURCES = "ngram_sources_demo.json"  # benchmarks/ngram_sources.py
+
+
+def ngram_sources_table() -> str:
+    """At each position of the tuned target's answers, whether each lookup source proposed its next token, and how
+    often right."""
+    result = read_result(RESULTS / NGRAM_SOURCES)
+    rows = [["source (demo pair)", "positions", "proposed", "right", "right of proposed"]]
+    for source, counts in result["sources"].items():
+        share = counts["right"] / counts["proposed"] if counts["proposed"] else 0.0
+        rows.append(
+            [source, f"{counts['positions']:,}", f"{counts['proposed']:,}", f"{counts['right']:,}", f"{share:.1%}"]
+        )
+    return markdown_table(rows)
+
+
+DRAFT_TYPES = "draft_types_qwen_sgd_tuned_target.json"  # benchmarks/draft_types.py
+
+
+def draft_types_table() -> str:
+    """Each draft quantized to each type: its size, the tuned target's tokens it guessed and the best predicted
+    speedup on the card, and which type the sweep chose for each draft."""
+    drafts = read_result(RESULTS / DRAFT_TYPES)["sweep"]["drafts"]
+    names = list(drafts)
+    rows = [["type (Qwen 0.5B)", "MB", *(f"α: {name}" for name in names),
+             *(f"predicted on {CARD} at the best k (band): {name}" for name in names)]]  # fmt: skip
+    by_label = {name: {kind["label"]: kind for kind in drafts[name]["types"]} for name in names}
+    for label, first in by_label[names[0]].items():
+        kinds = [by_label[name][label] for name in names]
+        chosen = [f"{kind['alpha']:.1%}" + (" (chosen)" if drafts[name]["chosen"] == label else "")
+                  for name, kind in zip(names, kinds, strict=True)]  # fmt: skip
+        rows.append([label, f"{first['bytes'] / 1e6:,.0f}", *chosen, *map(card_at_best_k, kinds)])
+    return markdown_table(rows)
+
+
+def card_at_best_k(kind: dict) -> str:
+    k = kind["best_k"]["gpu-grounded"]
+    low, high = kind["card_band"]
+    return f"{kind['speedup']['gpu-grounded'][str(k)]:.2f}x ({low:.2f}-{high:.2f}x, k {k})"
+
+
+NEVER_SLOWER = ("never_slower_qwen_sgd.json", "never_slower_demo.json")  # benchmarks/never_slower.py
+
+
+def never_slower_table() -> str:
+    """Decoding through HTTP, each server on the same prompts in turn: tokens per second, over llama-server's."""
+    rows = [["target", "server", "tokens/s, median", "over llama-server: median / all tokens", "tokens"]]
+    for file in NEVER_SLOWER:
+        result = read_result(RESULTS / file)
+        for name, s in result["servers"].items():
+            rows.append([
+                Path(result["target"]).name, name, f"{s['median_tokens_per_second']:.1f}",
+                f"{s['median_ratio_to_llama_server']:.2f}x / {s['total_ratio_to_llama_server']:.2f}x",
+                f"{s['decode_tokens']:,}",
+            ])  # fmt: skip
+    return markdown_table(rows)
 
 
 ROOT = Path(__file__).parent.parent
@@ -258,6 +383,15 @@ BLOCKS: dict[str, dict[str, Callable[[], str]]] = {
         "heads": heads_table,
         "assistant": assistant_table,
         "first_token": first_token_table,
+        "demo": lambda: variants_table("speculative_demo.json"),
+        "qwen": lambda: variants_table("speculative_qwen_sgd.json"),
+        "smollm2": lambda: variants_table("speculative_smollm2_sgd_ngram.json"),
+        "gemma3": lambda: variants_table("speculative_gemma3_270m_sgd_ngram.json"),
+        "gemma4": lambda: variants_table("speculative_gemma4_demo.json"),
+        "methods": lambda: methods_table("draft_methods_demo_speckd.json", "draft_methods_smollm2_sgd_speckd.json"),
+        "ngram_sources": ngram_sources_table,
+        "draft_types": draft_types_table,
+        "never_slower": never_slower_table,
     },
 }
 
