@@ -26,7 +26,8 @@ from spectune.export.gguf import export_model
 from spectune.export.pair import ExportPairConfig, export_pair
 from spectune.runtime.chat import chat_tokens
 from spectune.runtime.decode import DecodeSettings
-from spectune.runtime.llama import LlamaModel, is_eagle3_gguf
+from spectune.runtime.draft_kinds import DRAFT_MODEL, EAGLE3_HEAD
+from spectune.runtime.llama import LlamaModel, draft_kind
 from spectune.runtime.ngram import NgramSettings
 from spectune.runtime.registry import Variant
 from spectune.runtime.speculative import SpeculativeDecoder
@@ -171,7 +172,7 @@ def test_the_head_drafts_in_llama_cpp_with_the_target_alones_answers_accepting_w
         export_model(head, tmp_path / "lost.gguf", "F32")  # the converter needs the target's tokenizer and config
     target_gguf = export_model(tuned_target, tmp_path / "target.gguf", "F32")
     head_gguf = export_model(head, tmp_path / "head.gguf", "F32", target_model_dir=tuned_target)
-    assert is_eagle3_gguf(head_gguf) and not is_eagle3_gguf(target_gguf)
+    assert draft_kind(head_gguf) is EAGLE3_HEAD and draft_kind(target_gguf) is DRAFT_MODEL
     with pytest.raises(SpectuneError, match="beside its target"):
         LlamaModel(head_gguf)  # it borrows the target's embeddings and reads its layer inputs
     in_llama_cpp = heads_in_llama_cpp_accept_what_the_meter_says(tuned_target, head, target_gguf, head_gguf, demo_data)

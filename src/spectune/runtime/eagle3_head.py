@@ -21,6 +21,7 @@ import numpy as np
 
 from spectune.errors import SpectuneError
 from spectune.llama_cpp_pin import HEAD_TARGETS
+from spectune.runtime.draft_kinds import EAGLE3_HEAD
 from spectune.runtime.draft_model import DRAFT, draft_chain
 from spectune.runtime.layer_inputs import shim
 from spectune.runtime.llama import LlamaModel, common_prefix
@@ -34,7 +35,7 @@ class Eagle3Head:
     name = DRAFT
 
     def __init__(self, model: LlamaModel, target: LlamaModel) -> None:
-        if not model.is_head:
+        if model.kind is not EAGLE3_HEAD:
             raise SpectuneError(f"{model.path} is no EAGLE-3 head")
         if model.n_vocab != target.n_vocab:
             raise SpectuneError(f"{model.path}: {model.n_vocab} tokens, its target {target.n_vocab}: not its head")

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from spectune.errors import SpectuneError
-from spectune.runtime.llama import MTP_ASSISTANT, LlamaModel
+from spectune.runtime.llama import LlamaModel
 from spectune.runtime.speculative import SpeculativeDecoder
 
 SEQUENCE = 0  # every LlamaModel holds one sequence
@@ -60,7 +60,7 @@ def load_model(model: LlamaModel, state: ModelState) -> None:
 
 def own_caches(decoder: SpeculativeDecoder) -> list[LlamaModel]:
     """The target, then each speculator model with a KV cache of its own (an MTP assistant reads the target's)."""
-    return [decoder.target, *(m for m in decoder.speculators.models if m.architecture != MTP_ASSISTANT)]
+    return [decoder.target, *(m for m in decoder.speculators.models if not m.kind.reads_target_cache)]
 
 
 @dataclass(frozen=True)

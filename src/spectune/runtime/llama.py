@@ -28,6 +28,7 @@ import numpy as np
 from spectune.cache import compiled_library
 from spectune.errors import SpectuneError
 from spectune.runtime.build import build_features, gguf_field
+from spectune.runtime.draft_kinds import DraftKind, kind_of
 from spectune.runtime.layer_inputs import shim
 from spectune.threads import ALL_LAYERS, DEFAULT_N_CTX, thread_count
 
@@ -35,9 +36,6 @@ _backend_ready = False
 _tiled_matmul = False
 ABORT_SOURCE = Path(__file__).with_name("abort_flag.c")
 DECODE_ABORTED = 2  # llama_decode's status when the abort callback said stop
-EAGLE3_HEAD, MTP_ASSISTANT = "eagle3", "gemma4-assistant"  # GGUF architectures of drafts that run beside a target
-HEAD_ARCHITECTURES = {EAGLE3_HEAD: "an EAGLE-3 head", MTP_ASSISTANT: "a Gemma 4 MTP assistant"}
-DRAFT_SIMPLE = "draft-simple"  # llama.cpp's --spec-type for a draft model with its own cache
 
 
 class DecodeAborted(SpectuneError):
@@ -129,10 +127,10 @@ class LlamaModel:
         if not self.path.is_file():
             raise SpectuneError(f"{self.path}: no such GGUF file")
         self.architecture = gguf_architecture(self.path)
-        self.is_head = self.architecture in HEAD_ARCHITECTURES
+        self.kind = kind_of(self.architecture)  # what it is as a draft (any GGUF may be one)
+        self.is_head = self.kind.beside_target
         if self.is_head and beside is None:
-            kind = HEAD_ARCHITECTURES[self.architecture]
-            raise SpectuneError(f"{self.path} is {kind}: it runs only beside its target, as its draft")
+            raise SpectuneError(f"{self.path} is {self.kind.words}: it runs only beside its target, as its draft")
         init_backend()
         self.lib = llama_cpp
         self.exact = exact
@@ -175,7 +173,7 @@ class LlamaModel:
         params = self.lib.llama_context_default_params()
         if self.is_head and beside is not None:
             params.ctx_other = beside.ctx
-        if self.architecture == MTP_ASSISTANT:  # reads the target's KV cache, keeps none of its own
+        if self.kind.reads_target_cache:
             params.ctx_type = self.lib.LLAMA_CONTEXT_TYPE_MTP
         params.n_ctx, params.n_batch, params.n_ubatch = n_ctx, n_batch, n_batch
         # Both set explicitly: the default batch thread count stalled ~0.5 s per batch on 2 cores.
@@ -403,12 +401,11 @@ def gguf_architecture(path: str | Path) -> str | None:
     return gguf_field(path, "general.architecture")
 
 
-def is_eagle3_gguf(path: str | Path) -> bool:
-    """Whether a GGUF is an EAGLE-3 head (it runs only beside its target: runtime/eagle3_head.py, or llama.cpp's
-    `--spec-type draft-eagle3`)."""
-    return gguf_architecture(path) == EAGLE3_HEAD
+def draft_kind(path: str | Path) -> DraftKind:
+    """What a draft GGUF is (runtime/draft_kinds.py), from its architecture, without loading it."""
+    return kind_of(gguf_architecture(path))
 
 
 def spec_type(draft: str | Path) -> str:
-    """llama.cpp's `--spec-type` for a draft GGUF: an EAGLE-3 head, an MTP assistant or a draft model."""
-    return {EAGLE3_HEAD: "draft-eagle3", MTP_ASSISTANT: "draft-mtp"}.get(gguf_architecture(draft) or "", DRAFT_SIMPLE)
+    """llama.cpp's `--spec-type` for a draft GGUF."""
+    return draft_kind(draft).spec_type

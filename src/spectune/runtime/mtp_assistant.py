@@ -18,9 +18,10 @@ import weakref
 import numpy as np
 
 from spectune.errors import SpectuneError
+from spectune.runtime.draft_kinds import MTP_ASSISTANT
 from spectune.runtime.draft_model import DRAFT, draft_chain
 from spectune.runtime.layer_inputs import shim
-from spectune.runtime.llama import MTP_ASSISTANT, LlamaModel
+from spectune.runtime.llama import LlamaModel
 from spectune.runtime.sampling import Sampler
 from spectune.runtime.speculators import Proposal
 
@@ -31,7 +32,7 @@ class MtpAssistant:
     name = DRAFT
 
     def __init__(self, model: LlamaModel, target: LlamaModel) -> None:
-        if model.architecture != MTP_ASSISTANT:
+        if model.kind is not MTP_ASSISTANT:
             raise SpectuneError(f"{model.path} is no Gemma 4 MTP assistant")
         if target.architecture not in TARGET_ARCHITECTURES:
             raise SpectuneError(f"{target.path}: a {target.architecture} target; an MTP assistant drafts for Gemma 4")

@@ -15,9 +15,10 @@ from pydantic import Field, field_validator
 
 from spectune.config import Settings
 from spectune.errors import SpectuneError
+from spectune.runtime.draft_kinds import DRAFT_MODEL, EAGLE3_HEAD, MTP_ASSISTANT, DraftKind
 from spectune.runtime.draft_model import DraftModel
 from spectune.runtime.eagle3_head import Eagle3Head
-from spectune.runtime.llama import EAGLE3_HEAD, MTP_ASSISTANT, LlamaModel
+from spectune.runtime.llama import LlamaModel
 from spectune.runtime.mtp_assistant import MtpAssistant
 from spectune.runtime.ngram import NGRAM, NgramSettings, NgramSetup, NgramSpeculator
 from spectune.runtime.speculators import Speculator
@@ -31,8 +32,10 @@ def make_ngram(target: LlamaModel, setup: NgramSetup | None) -> Speculator:
     return NgramSpeculator(setup or NgramSetup(NgramSettings()), target.is_end)
 
 
-# Drafts that run beside their target, by GGUF architecture (any other GGUF is a DraftModel).
-HEADS: dict[str, Callable[[LlamaModel, LlamaModel], Speculator]] = {
+# The speculator that runs each kind of draft GGUF (runtime/draft_kinds.py), one line a kind, made from the draft's
+# model and its target.
+MODEL_SPECULATORS: dict[DraftKind, Callable[[LlamaModel, LlamaModel], Speculator]] = {
+    DRAFT_MODEL: DraftModel,
     EAGLE3_HEAD: Eagle3Head,
     MTP_ASSISTANT: MtpAssistant,
 }
@@ -115,7 +118,6 @@ class Variant:
 
 
 def model_speculator(draft_model: LlamaModel, target: LlamaModel) -> Speculator:
-    """The speculator a draft GGUF is, by its architecture: a head that drafts from the target's states, or a draft
-    model with its own cache."""
-    maker = HEADS.get(draft_model.architecture or "", DraftModel)
-    return maker(draft_model, target)
+    """The speculator a draft GGUF is, by its kind: a draft model with its own cache, or a head that drafts from the
+    target's states."""
+    return MODEL_SPECULATORS[draft_model.kind](draft_model, target)
