@@ -45,8 +45,11 @@ lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check src tests benchmarks
 	$(VENV)/bin/ruff format --check src tests benchmarks
 
+# Tests run 1 thread each, in TEST_WORKERS processes (pytest-xdist), a file's tests in one of them: its fixtures are
+# built once.
+TEST_WORKERS ?= 2
 test: lint
-	$(PY) -m pytest
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile
 
 # The edit-run loop: lint and every test that trains no model and builds no tool (under two minutes).
 test-fast: lint

@@ -24,7 +24,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from never_slower import shown
+from serving_http import shown
 
 from spectune.acceptance.draft_types import DRAFT_TYPES, sweep_types, type_table
 from spectune.atomic import atomic_path

@@ -188,7 +188,8 @@ def assistant_table() -> str:
     return "\n".join(lines)
 
 
-FIRST_TOKEN = "first_token_qwen_sgd.json"  # benchmarks/first_token.py
+SERVING = "serving_qwen_sgd.json"  # benchmarks/serving.py: decode, first token, load and first audio, one start
+SPECTUNE, LLAMA = "spectune serve", "llama-server, defaults"
 TURNS = (  # (the result's kind of turn, in words)
     ("new", "a new caller"),
     ("returning", "the same caller's next turn"),
@@ -199,40 +200,37 @@ TURNS = (  # (the result's kind of turn, in words)
 
 
 def first_token_table(brief: bool = False) -> str:
-    """Median time to first token per kind of turn, spectune serve beside llama-server at its defaults, with each
-    pass's ratio, the prefill time each server reports and the tokens cached (brief: the README's, without them)."""
-    result = read_result(RESULTS / FIRST_TOKEN)
-    ours, theirs = result["summary"]["spectune serve"], result["summary"]["llama-server, defaults"]
-    size = f"{result['n']} SGD dialogues x {result['passes']} passes, {result['system_prompt_tokens']}-token prompt"
-    turn = f"turn ({size})"
-    rows = [[turn, "spectune serve", "llama-server", "ratio", "each pass", "prefill, each server's report", "cached"]]
+    """Median time to first token per kind of turn, spectune serve beside llama-server at its defaults (for a turn
+    llama-server has no kind for, its returning caller: the same final prompt), with each pass's ratio, the prefill
+    time each server reports and the tokens cached (brief: the README's, without them)."""
+    report = read_result(RESULTS / SERVING)
+    result = report["first_token"]
+    ours, theirs = result["summary"][SPECTUNE], result["summary"][LLAMA]
+    size = f"{result['n']} SGD dialogues x {result['passes']} passes, {report['system_prompt_tokens']}-token prompt"
+    rows = [
+        [f"turn ({size})", SPECTUNE, "llama-server", "ratio", "each pass", "prefill, each server's report", "cached"]
+    ]
     for kind, words in TURNS:
         mine = ours[kind]
-        base = (theirs.get(kind) or theirs["returning"]) if kind != "other_tenant" else None
         cached = statistics.median(
-            run["spectune serve"][kind]["cached_tokens"] for run in result["prompts"] if kind in run["spectune serve"]
+            run[SPECTUNE][kind]["cached_tokens"] for run in result["prompts"] if kind in run[SPECTUNE]
         )
         row = [words, f"{mine['median_ttft_ms']:.0f} ms", "-", "-", "-", f"{mine['median_prefill_ms']:.0f} ms"]
-        if base:
-            key = "ratio_to_llama_server" if kind in theirs else "ratio_to_llama_server_returning"
-            passes = ", ".join(f"{each['spectune serve'][kind][key]:.2f}" for each in result["summary_per_pass"])
-            row[2:] = [f"{base['median_ttft_ms']:.0f} ms", f"{mine[key]:.2f}x", passes, f"{row[5]} / "
-                       f"{base['median_prefill_ms']:.0f} ms"]  # fmt: skip
+        if "ratio_to_llama_server" in mine:
+            base = theirs.get(kind, theirs["returning"])
+            passes = ", ".join(
+                f"{each[SPECTUNE][kind]['ratio_to_llama_server']:.2f}" for each in result["summary_per_pass"]
+            )
+            ratio, prefill = f"{mine['ratio_to_llama_server']:.2f}x", f"{row[5]} / {base['median_prefill_ms']:.0f} ms"
+            row[2:] = [f"{base['median_ttft_ms']:.0f} ms", ratio, passes, prefill]
         rows.append([*row, f"{cached:.0f}"])
-    shown = rows if not brief else [row[:4] for row in rows] + [first_audio_row()]
-    lines = ["| " + " | ".join(row) + " |" for row in shown]
-    lines.insert(1, "|" + "---|" * len(shown[0]))
-    return "\n".join(lines)
+    return markdown_table(rows if not brief else [row[:4] for row in rows] + [first_audio_row(report)])
 
 
-FIRST_AUDIO = "first_audio_qwen_sgd.json"  # benchmarks/first_audio.py
-
-
-def first_audio_row() -> list[str]:
+def first_audio_row(report: dict) -> list[str]:
     """The median time from the end of a caller's turn to the first audio sample of the answer (`call --speak`)."""
-    result = read_result(RESULTS / FIRST_AUDIO)
-    words = f"first audio, `spectune call --speak` ({len(result['turns'])} turns)"
-    return [words, f"{result['median_first_audio_ms']:.0f} ms", "-", "-"]
+    words = f"first audio, `spectune call --speak` ({len(report['audio']['turns'])} turns)"
+    return [words, f"{report['audio']['median_first_audio_ms']:.0f} ms", "-", "-"]
 
 
 COMMANDS = "commands.json"  # the two commands' times, as measured on this machine (each entry says how)
@@ -353,20 +351,34 @@ def card_at_best_k(kind: dict) -> str:
     return f"{kind['speedup']['gpu-grounded'][str(k)]:.2f}x ({low:.2f}-{high:.2f}x, k {k})"
 
 
-NEVER_SLOWER = ("never_slower_qwen_sgd.json", "never_slower_demo.json")  # benchmarks/never_slower.py
+DECODE = (SERVING,)  # benchmarks/serving.py
 
 
-def never_slower_table() -> str:
+def decode_table() -> str:
     """Decoding through HTTP, each server on the same prompts in turn: tokens per second, over llama-server's."""
-    rows = [["target", "server", "tokens/s, median", "over llama-server: median / all tokens", "tokens"]]
-    for file in NEVER_SLOWER:
-        result = read_result(RESULTS / file)
-        for name, s in result["servers"].items():
+    rows = [["target", "server (its mode)", "tokens/s, median", "over llama-server: median / all tokens", "tokens",
+             "identical to the target alone"]]  # fmt: skip
+    for file in DECODE:
+        report = read_result(RESULTS / file)
+        for name, s in report["decode"]["servers"].items():
             rows.append([
-                Path(result["target"]).name, name, f"{s['median_tokens_per_second']:.1f}",
+                Path(report["target"]).name, f"{name} ({report['modes'][name] or 'its defaults'})",
+                f"{s['median_tokens_per_second']:.1f}",
                 f"{s['median_ratio_to_llama_server']:.2f}x / {s['total_ratio_to_llama_server']:.2f}x",
                 f"{s['decode_tokens']:,}",
+                f"{report['decode']['identical_to_the_target_alone'][name]}/{report['decode']['n']}",
             ])  # fmt: skip
+    return markdown_table(rows)
+
+
+def load_table() -> str:
+    """Callers at once against each server: time to first token and errors."""
+    load = read_result(RESULTS / SERVING)["load"]
+    rows = [[f"server ({load['clients']} callers at once)", "answers", "errors", "first token: p50 / p95"]]
+    for name, s in load["servers"].items():
+        rows.append(
+            [name, str(s["requests"]), str(s["errors"]), f"{s['p50_ttft_ms']:.0f} ms / {s['p95_ttft_ms']:.0f} ms"]
+        )
     return markdown_table(rows)
 
 
@@ -391,7 +403,8 @@ BLOCKS: dict[str, dict[str, Callable[[], str]]] = {
         "methods": lambda: methods_table("draft_methods_demo_speckd.json", "draft_methods_smollm2_sgd_speckd.json"),
         "ngram_sources": ngram_sources_table,
         "draft_types": draft_types_table,
-        "never_slower": never_slower_table,
+        "decode": decode_table,
+        "load": load_table,
     },
 }
 

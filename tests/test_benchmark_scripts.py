@@ -88,17 +88,17 @@ def test_grounded_gpu_predicts_each_committed_row_on_the_card_with_its_band():
 
 
 def answers(speeds: list[float], tokens: int = 11) -> list[dict]:
-    """never_slower's per-answer figures: `tokens` of text, decoded after the first at each speed."""
+    """serving.py's per-answer decode figures: `tokens` of text, decoded after the first at each speed."""
     return [
         {"tokens": tokens, "decode_seconds": (tokens - 1) / speed, "tokens_per_second": speed, "ttft_ms": 5.0}
         for speed in speeds
     ]
 
 
-def test_never_slower_quotes_the_totals_and_the_median_of_per_prompt_ratios():
-    never_slower = script("never_slower")
+def test_the_decode_figures_are_the_totals_and_the_median_of_per_prompt_ratios():
+    serving = script("serving")
     ours, theirs = answers([10.0, 20.0, 10.0]), answers([20.0, 20.0, 20.0])
-    figures = never_slower.summary(ours, theirs)
+    figures = serving.decode_summary(ours, theirs)
     assert figures["median_ratio_to_llama_server"] == pytest.approx(0.5)
     # 30 tokens in 1 + 0.5 + 1 s against 30 in 1.5 s
     assert figures["decode_tokens"] == 30 and figures["decode_seconds"] == pytest.approx(2.5)
@@ -106,12 +106,40 @@ def test_never_slower_quotes_the_totals_and_the_median_of_per_prompt_ratios():
     assert figures["median_tokens_per_second"] == 10.0
 
 
-def test_never_slower_times_again_a_prompt_any_server_stalled_on():
-    stalled = script("never_slower").stalled
-    runs = {"spectune": answers([10.0, 10.0, 3.0, 10.0]), "llama-server": answers([20.0, 7.0, 20.0, 20.0])}
-    assert stalled(runs) == [2]  # 3.3x its median time per token; 20/7 = 2.9x is not over
-    runs["llama-server"][1] = answers([6.0])[0]  # 3.3x on prompt 1
-    assert stalled(runs) == [1, 2]
+def test_a_prompt_any_server_stalled_on_is_timed_again_once():
+    timed_passes = script("serving_http").timed_passes
+    speeds = {"spectune": [10.0, 10.0, 3.0, 10.0], "llama-server": [20.0, 7.0, 20.0, 20.0]}
+    calls: list[int] = []
+
+    def one(index: int) -> dict[str, float]:  # each prompt's seconds per token by server; prompt 2 stalls once
+        calls.append(index)
+        return {name: 1 / (10.0 if name == "spectune" and calls.count(index) > 1 else rates[index])
+                for name, rates in speeds.items()}  # fmt: skip
+
+    timed = timed_passes(one, 4, lambda row: row)
+    assert calls == [0, 1, 2, 3, 2]  # 3.3x its median time per token; llama-server's 20/7 = 2.9x is not over
+    assert timed["retimed"] == [3] and timed["still_stalled"] == []  # numbered from 1
+
+
+def test_the_first_token_summary_compares_a_turn_llama_server_has_no_kind_for_with_its_returning_caller():
+    serving = script("serving")
+    ask = {"stages": {"prefill_seconds": 0.1}, "cached_tokens": 0}
+
+    def turns(**ttfts: float) -> dict:
+        return {kind: ask | {"ttft_ms": ms} for kind, ms in ttfts.items()}
+
+    rows = [
+        {
+            "spectune serve": turns(new=30.0, returning=20.0, while_speaking=5.0),
+            "llama-server, defaults": turns(new=20.0, returning=40.0),
+        }
+    ]
+    rows[0]["spectune serve"]["other_tenant"] = ask | {"ttft_ms": 90.0}
+    summary = serving.ttft_summary(rows)["spectune serve"]
+    assert summary["new"]["ratio_to_llama_server"] == pytest.approx(1.5)
+    assert summary["while_speaking"]["ratio_to_llama_server"] == pytest.approx(5.0 / 40.0)
+    assert "ratio_to_llama_server" not in summary["other_tenant"] and summary["other_tenant"]["cached_tokens"] == [0]
+    assert summary["new"]["median_prefill_ms"] == pytest.approx(100.0)
 
 
 def test_llama_cpp_files_reads_a_types_rows_from_the_sweep_with_the_k_it_was_chosen_at():
@@ -135,3 +163,19 @@ def test_llama_cpp_files_refuses_a_draft_with_no_acceptance_row_naming_the_file(
         with pytest.raises(SystemExit) as exit_info:
             main()
         assert exit_info.value.code == 2 and expected in capsys.readouterr().err
+
+
+def test_compare_lists_the_figures_two_results_share_and_flags_one_beyond_its_spread(tmp_path, capsys):
+    compare = script("compare")
+    committed = {"drafts": {"seqkd": {"acceptance": 0.80, "identical": 40, "aggregate_speedup": 1.00}}, "prompts": []}
+    fresh = {"drafts": {"seqkd": {"acceptance": 0.81, "identical": 39, "aggregate_speedup": 1.08}}}
+    paths = [tmp_path / "committed.json", tmp_path / "fresh.json"]
+    for path, result in zip(paths, (committed, fresh), strict=True):
+        path.write_text(json.dumps(result))
+    assert compare.main([str(path) for path in paths]) == 1
+    out = capsys.readouterr().out
+    assert "3 figures, 1 beyond their spread" in out  # an answer no longer identical; the rest within
+    flagged = [line for line in out.splitlines() if "beyond its spread" in line]
+    assert len(flagged) == 1 and flagged[0].startswith("| drafts/seqkd/identical")
+    paths[1].write_text(json.dumps({"servers": {}}))
+    assert compare.main([str(path) for path in paths]) == 2

@@ -14,7 +14,15 @@ from spectune.runtime import mode as mode_module
 from spectune.runtime.chat import chat_prompt
 from spectune.runtime.decode import DecodeSettings
 from spectune.runtime.llama import LlamaModel
-from spectune.runtime.mode import CALIBRATION_PROMPTS, DecoderSource, ModeChoice, calibrate, choose, faster
+from spectune.runtime.mode import (
+    CALIBRATION_PROMPTS,
+    DecoderSource,
+    ModeChoice,
+    calibrate,
+    choose,
+    faster,
+    settle_auto,
+)
 from spectune.runtime.speculative import SpeculativeDecoder
 from spectune.serve.config import ServeConfig
 from spectune.serve.slots import calibration_conversations
@@ -88,6 +96,20 @@ def test_auto_measures_both_and_keeps_the_faster(pair, demo_data):
     assert bool(decoder.speculators) == (choice.mode == "speculative")
     assert decoder.target.exact == (choice.mode == "speculative")
     assert "measured here on 2 prompts" in choice.reason
+
+
+def test_serve_measures_auto_in_a_process_of_its_own_and_then_serves_the_record(pair, monkeypatch, tmp_path):
+    """`spectune serve --mode auto` has decoded nothing when it loads the chosen mode (so the fastest one prefills
+    with the tiled matmul): the child measured and recorded, the server reads the record."""
+    monkeypatch.setenv("SPECTUNE_CACHE", str(tmp_path))
+    conversations = calibration_conversations(None)[:1]
+    settled = settle_auto(source_of(pair), conversations, DecodeSettings(), recalibrate=False)
+    assert settled.speculative_tokens_per_second > 0 and settled.fastest_tokens_per_second > 0
+    assert len(list((tmp_path / "modes").glob("*.json"))) == 1  # recorded by the child
+    monkeypatch.setattr(mode_module, "calibrate", lambda *_: pytest.fail("measured again in the server"))
+    served, _ = choose("auto", source_of(pair), conversations, DecodeSettings())
+    assert served.mode == settled.mode and "recorded" in served.reason
+    assert settle_auto(source_of(pair), conversations, DecodeSettings(), recalibrate=False).mode == settled.mode
 
 
 def test_calibration_leaves_both_caches_empty(pair):

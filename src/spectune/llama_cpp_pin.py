@@ -11,8 +11,7 @@ import tempfile
 from importlib.metadata import version
 from pathlib import Path
 
-from spectune.atomic import atomic_path
-from spectune.cache import cache_root
+from spectune.cache import built_once, cache_root
 from spectune.errors import SpectuneError
 from spectune.llama_cpp_patch import patch_tag
 
@@ -52,19 +51,18 @@ def binding_patched() -> bool:
 def fetch_sdist() -> Path:
     """The pinned llama-cpp-python source distribution (llama.cpp's sources inside), fetched by pip once, cached."""
     pinned = llama_cpp_version()
-    cached = cache_root() / "sdist" / f"llama_cpp_python-{pinned}.tar.gz"
-    if cached.is_file():
-        return cached
-    with tempfile.TemporaryDirectory() as download:
-        command = [sys.executable, "-m", "pip", "download", "--no-binary", ":all:", "--no-deps", "-q", "-d", download]
-        result = subprocess.run([*command, f"llama-cpp-python=={pinned}"], capture_output=True, text=True)
-        sdists = list(Path(download).glob("llama_cpp_python-*.tar.gz"))
-        if result.returncode != 0 or not sdists:
-            raise SpectuneError(
-                f"could not fetch llama-cpp-python=={pinned}'s source (llama.cpp's converter and tools) through pip:\n"
-                f"{result.stderr.strip()[-800:]}\nSet SPECTUNE_LLAMA_CPP_SRC to a llama.cpp source folder instead."
-            )
-        cached.parent.mkdir(parents=True, exist_ok=True)
-        with atomic_path(cached) as tmp:
+
+    def download_to(tmp: Path) -> None:
+        with tempfile.TemporaryDirectory() as download:
+            command = [sys.executable, "-m", "pip", "download", "--no-binary", ":all:", "--no-deps", "-q", "-d"]
+            result = subprocess.run([*command, download, f"llama-cpp-python=={pinned}"], capture_output=True, text=True)
+            sdists = list(Path(download).glob("llama_cpp_python-*.tar.gz"))
+            if result.returncode != 0 or not sdists:
+                raise SpectuneError(
+                    f"could not fetch llama-cpp-python=={pinned}'s source (llama.cpp's converter and tools) through "
+                    f"pip:\n{result.stderr.strip()[-800:]}\nSet SPECTUNE_LLAMA_CPP_SRC to a llama.cpp source folder "
+                    "instead."
+                )
             shutil.copyfile(sdists[0], tmp)
-    return cached
+
+    return built_once(cache_root() / "sdist" / f"llama_cpp_python-{pinned}.tar.gz", Path.is_file, download_to)

@@ -24,12 +24,14 @@ from spectune.llama_cpp_pin import binding_patched, patched_build
 from spectune.runtime.build import build_features, build_name, gpu_offload, identity_verdict, torch_device
 from spectune.runtime.identity_check import BATCH, IdentityCheck, check_identity
 from spectune.runtime.llama import LlamaModel, use_tiled_matmul
+from spectune.runtime.mode import settle_auto
 from spectune.serve.client import run_call
 from spectune.serve.config import ServeConfig
 from spectune.serve.engine import serve_llama_cpp
 from spectune.serve.generate import GenerateConfig
 from spectune.serve.generate import generate as run_generate
 from spectune.serve.launch import make_uvicorn
+from spectune.serve.slots import calibration_conversations, decoder_source
 from spectune.threads import thread_count
 
 app = typer.Typer()
@@ -71,7 +73,12 @@ def serve(config: ServeConfig) -> None:
         if code not in (0, -signal.SIGTERM):
             raise SpectuneError(f"llama-server exited with {code}")
         return
-    if config.fastest_only:  # a process of its own: no exact model ever decodes in it
+    fastest = config.fastest_only
+    if config.mode == "auto" and not fastest:  # measured in a child: nothing has decoded here yet
+        settled = settle_auto(decoder_source(config), calibration_conversations(config.calibration_data),
+                              config.decoding(), config.recalibrate)  # fmt: skip
+        config, fastest = config.model_copy(update={"recalibrate": False}), settled.mode == "fastest"
+    if fastest:  # a process that decodes only at the fastest settings: no exact model ever decodes in it
         use_tiled_matmul()
     server = make_uvicorn(config, log_level="info")
     choice = server.spectune.choice

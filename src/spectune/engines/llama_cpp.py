@@ -15,8 +15,7 @@ import tarfile
 from pathlib import Path
 
 from spectune.accelerator import choose
-from spectune.atomic import atomic_path
-from spectune.cache import cache_root, compiled_library
+from spectune.cache import built_once, cache_root, compiled_library
 from spectune.errors import SpectuneError
 from spectune.llama_cpp_patch import PatchError, apply_patches
 from spectune.llama_cpp_pin import fetch_sdist, llama_cpp_version, patched_build
@@ -46,21 +45,22 @@ def llama_cpp_source() -> Path:
         if not (Path(override) / "CMakeLists.txt").is_file():
             raise SpectuneError(f"SPECTUNE_LLAMA_CPP_SRC={override}: no CMakeLists.txt there")
         return Path(override)
-    folder = cache_root() / "llama.cpp-src" / patched_build()
-    if (folder / "CMakeLists.txt").is_file():
-        return folder
     prefix = f"llama_cpp_python-{llama_cpp_version()}/vendor/llama.cpp/"
-    with atomic_path(folder) as tmp, tarfile.open(fetch_sdist()) as archive:
-        for member in archive.getmembers():
-            if member.name.startswith(prefix) and (member.isfile() or member.isdir()):
-                member.name = member.name[len(prefix) :]
-                if member.name:
-                    archive.extract(member, tmp, filter="data")
+
+    def unpack(tmp: Path) -> None:
+        with tarfile.open(fetch_sdist()) as archive:
+            for member in archive.getmembers():
+                if member.name.startswith(prefix) and (member.isfile() or member.isdir()):
+                    member.name = member.name[len(prefix) :]
+                    if member.name:
+                        archive.extract(member, tmp, filter="data")
         try:
             apply_patches(tmp)
         except PatchError as error:
             raise SpectuneError(str(error)) from error
-    return folder
+
+    folder = cache_root() / "llama.cpp-src" / patched_build()
+    return built_once(folder, lambda folder: (folder / "CMakeLists.txt").is_file(), unpack)
 
 
 def _switch(on: bool) -> str:
@@ -120,23 +120,21 @@ def build_llama_cpp(cmake_args: tuple[str, ...] = (), variant: str | None = None
     if variant == "cuda" and not any(arg.startswith("-DGGML_CUDA") for arg in cmake_args):
         cmake_args = (*choose("cuda", os.environ.get("CUDA_ARCH")).cmake_args()[1:], *cmake_args)
     folder = tools_dir(variant)
-    if all((folder / tool).is_file() for tool in TOOLS):
-        return folder
     build = cache_root() / "llama.cpp-build" / folder.name
-    _cmake(build, (f"-DGGML_LLAMAFILE={_switch(llamafile_compiled()).upper()}", *cmake_args), TOOLS, jobs)
-    with atomic_path(folder) as tmp:
+
+    def compile_tools(tmp: Path) -> None:
+        _cmake(build, (f"-DGGML_LLAMAFILE={_switch(llamafile_compiled()).upper()}", *cmake_args), TOOLS, jobs)
         tmp.mkdir(parents=True)
         for tool in TOOLS:
             shutil.copy2(build / "bin" / tool, tmp / tool)
-    return folder
+
+    return built_once(folder, lambda folder: all((folder / tool).is_file() for tool in TOOLS), compile_tools)
 
 
 def build_llama_libs(llamafile: bool, jobs: int | None = None) -> Path:
     """libllama and libggml as shared libraries with llamafile on or off, for LLAMA_CPP_LIB_PATH: a second build
     that a benchmark loads in a child process beside the installed one (~10 min on 2 cores). Cached."""
     folder = lib_dir(llamafile)
-    if (folder / "libllama.so").is_file():
-        return folder
     build = cache_root() / "llama.cpp-build" / f"lib-{folder.name}"
     # Shared, and finding each other next to themselves ($ORIGIN) once copied out of the build tree.
     flags = (
@@ -144,12 +142,14 @@ def build_llama_libs(llamafile: bool, jobs: int | None = None) -> Path:
         "-DCMAKE_BUILD_RPATH_USE_ORIGIN=ON",
         f"-DGGML_LLAMAFILE={_switch(llamafile).upper()}",
     )
-    _cmake(build, flags, ("llama",), jobs)
-    with atomic_path(folder) as tmp:
+
+    def compile_libraries(tmp: Path) -> None:
+        _cmake(build, flags, ("llama",), jobs)
         tmp.mkdir(parents=True)
         for library in (build / "bin").glob("lib*.so*"):
             shutil.copy2(library, tmp / library.name, follow_symlinks=False)
-    return folder
+
+    return built_once(folder, lambda folder: (folder / "libllama.so").is_file(), compile_libraries)
 
 
 def cpu_has_amx(cpuinfo: Path = CPUINFO) -> bool:

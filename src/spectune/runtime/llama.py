@@ -6,10 +6,11 @@ decode a batch of tokens at given positions, read logits, and roll the KV cache 
 one-token one by up to 0.03 in the logits past a few hundred tokens of context; without it the difference is ~1e-6),
 so speculative greedy output equals plain greedy output at 4 bits. It costs 8–29% per token (docs/identity.md).
 
-The tiled K-quant matmul is off in a process unless it decodes only at the fastest settings (`use_tiled_matmul`,
-`spectune serve --mode fastest`): ggml reads GGML_CPU_TILED_MM once, at the first batched matmul, and keeps it for
-the life of the process, so a non-exact model that ran first (seqkd's answer generation before the bench, in one
-`spectune run`) left it on for every exact model after it. It only changes batched (prefill) numerics, so the answers
+The tiled K-quant matmul is off in a process unless it decodes only at the fastest settings (`use_tiled_matmul`:
+`spectune serve --mode fastest`, or auto's choice of it, measured in a child process: runtime/mode.py): ggml reads
+GGML_CPU_TILED_MM once, at the first batched matmul, and keeps it for the life of the process, so a non-exact model
+that ran first (seqkd's answer generation before the bench, in one `spectune run`) left it on for every exact model
+after it. It only changes batched (prefill) numerics, so the answers
 then differed from llama.cpp's own on 9 of 20 tuned-Gemma prompts.
 """
 

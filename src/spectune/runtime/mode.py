@@ -5,8 +5,10 @@ Speculative answers equal the target's own only at the exact settings (no repack
 runtime/llama.py), which cost 8-38% a token on a CPU. Where no draft wins that back, the target alone at llama.cpp's
 fastest settings (repacked weights, flash attention as llama.cpp chooses) answers sooner, and what it says is the
 target's own answer by construction: nothing speculates. So `auto` measures both on a few prompts at start and
-serves the faster; `speculative` and `fastest` force one. The tiled K-quant matmul stays off in either mode (it is
-process-wide: runtime/llama.py), which touches batched prefill only, not the one-token decode compared here.
+serves the faster; `speculative` and `fastest` force one. The tiled K-quant matmul (process-wide, read at the first
+batched matmul: runtime/llama.py) is on only in a process that decodes at the fastest settings alone; so `spectune
+serve --mode auto` measures in a process of its own (`settle_auto`), and one that chose the fastest mode prefills as
+llama.cpp's own tools do (the tiled matmul touches batched prefill only, not the one-token decode compared here).
 
 The two modes answer as two different "targets alone": the fastest kernels round logits otherwise and, where two
 tokens are close, pick another (measured: 5 of 226 demo answers differ at Q4_K_M, 39 of 60 SGD answers for SmolLM2
@@ -20,10 +22,11 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import multiprocessing
 import platform
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -186,6 +189,29 @@ def measure_and_record(
     write_recorded(record, choice)
     log(f"mode auto -> {choice.mode} ({choice.reason})")
     return choice, decoders[choice.mode]
+
+
+def settle_auto(
+    source: DecoderSource, conversations: list[list[dict[str, str]]], decoding: DecodeSettings, recalibrate: bool
+) -> ModeChoice:
+    """auto's choice for this pair: the recorded one, else measured and recorded in a process of its own (spawned:
+    a fresh llama.cpp), so that this process has decoded nothing when it loads the chosen mode, and the fastest mode
+    gets the tiled matmul (`use_tiled_matmul`). `choose` then serves the recorded choice."""
+    record = recorded_choice_file(source, conversations, decoding)
+    recorded = None if recalibrate else read_recorded(record)
+    if recorded is not None:
+        return recorded
+    with ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn")) as child:
+        choice = child.submit(_measure_both, source, conversations, decoding, record).result()
+    return choice
+
+
+def _measure_both(
+    source: DecoderSource, conversations: list[list[dict[str, str]]], decoding: DecodeSettings, record: Path
+) -> ModeChoice:
+    choice, decoder = measure_and_record(source, conversations, decoding, record, lambda _: None)
+    close(decoder)
+    return choice
 
 
 def close(decoder: SpeculativeDecoder) -> None:
