@@ -50,6 +50,7 @@ from serving_http import (
     ask,
     clients_of,
     in_turn,
+    key_of,
     servers,
     shown,
     timed_passes,
@@ -285,8 +286,7 @@ def load(urls: dict[str, str], prompts: list[Messages], args: Any) -> dict:
     answers: dict[str, list[dict]] = {label: [] for label in labels}
     for round_index in range(args.rounds):
         for label in in_turn(labels, round_index):
-            key = None if label == LLAMA else KEYS[0]
-            answers[label] += asyncio.run(load_round(urls[label], key, prompts, args))
+            answers[label] += asyncio.run(load_round(urls[label], key_of(label), prompts, args))
     out = {"clients": args.clients, "requests_per_round": args.requests, "rounds": args.rounds, "servers": {}}
     for label, results in answers.items():
         done = [r for r in results if "error" not in r]

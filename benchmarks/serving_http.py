@@ -58,7 +58,12 @@ def servers(args: argparse.Namespace) -> Iterator[dict[str, str]]:
         yield urls
 
 
-def client(url: str, key: str | None = KEYS[0]) -> httpx.Client:
+def key_of(label: str) -> str | None:
+    """The API key a server's callers send: spectune's first tenant's; llama-server takes none."""
+    return None if label == LLAMA else KEYS[0]
+
+
+def client(url: str, key: str | None) -> httpx.Client:
     """A connection per request, as each engine closes idle ones on its own clock (a reused one it had just closed
     failed the request); on loopback a connection costs well under a millisecond."""
     headers = {"Authorization": f"Bearer {key}"} if key else {}
@@ -67,7 +72,7 @@ def client(url: str, key: str | None = KEYS[0]) -> httpx.Client:
 
 def clients_of(urls: dict[str, str]) -> dict[str, httpx.Client]:
     """A client per server (llama-server takes no key), and spectune's under the second tenant's key."""
-    out = {label: client(url, None if label == LLAMA else KEYS[0]) for label, url in urls.items()}
+    out = {label: client(url, key_of(label)) for label, url in urls.items()}
     return out | {OTHER_TENANT: client(urls[SPECTUNE], KEYS[1])}
 
 

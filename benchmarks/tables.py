@@ -261,8 +261,8 @@ def card_or_dash(file: str, name: str, figures: BenchSummary) -> str:
     if committed and name in committed:
         return on_card(committed[name])
     if figures.predicted_speedup_gpu_grounded and figures.predicted_speedup_gpu_grounded_band:
-        low, high = figures.predicted_speedup_gpu_grounded_band
-        return f"{figures.predicted_speedup_gpu_grounded:.2f}x ({low:.2f}-{high:.2f}x)"
+        band = figures.predicted_speedup_gpu_grounded_band
+        return on_card({"grounded": figures.predicted_speedup_gpu_grounded, "grounded_band": band})
     return "-"
 
 

@@ -10,8 +10,8 @@ The tiled K-quant matmul is off in a process unless it decodes only at the faste
 `spectune serve --mode fastest`, or auto's choice of it, measured in a child process: runtime/mode.py): ggml reads
 GGML_CPU_TILED_MM once, at the first batched matmul, and keeps it for the life of the process, so a non-exact model
 that ran first (seqkd's answer generation before the bench, in one `spectune run`) left it on for every exact model
-after it. It only changes batched (prefill) numerics, so the answers
-then differed from llama.cpp's own on 9 of 20 tuned-Gemma prompts.
+after it. It only changes batched (prefill) numerics, so the answers then differed from llama.cpp's own on 9 of 20
+tuned-Gemma prompts.
 """
 
 from __future__ import annotations
@@ -129,7 +129,6 @@ class LlamaModel:
             raise SpectuneError(f"{self.path}: no such GGUF file")
         self.architecture = gguf_architecture(self.path)
         self.kind = kind_of(self.architecture)  # what it is as a draft (any GGUF may be one)
-        self.is_head = self.kind.beside_target
         if self.is_head and beside is None:
             raise SpectuneError(f"{self.path} is {self.kind.words}: it runs only beside its target, as its draft")
         init_backend()
@@ -169,6 +168,11 @@ class LlamaModel:
         self._handles = _Handles(llama_cpp, self.batch, self.ctx, self.model)
         self.busy = self._handles.lock  # held by whoever decodes and reads logits (a generation holds it throughout)
         self._finalizer = weakref.finalize(self, self._handles.free)
+
+    @property
+    def is_head(self) -> bool:
+        """A draft that runs only beside its target (its context reads the target's)."""
+        return self.kind.beside_target
 
     def _context_params(self, n_ctx: int, n_batch: int, exact: bool, beside: LlamaModel | None):
         params = self.lib.llama_context_default_params()
